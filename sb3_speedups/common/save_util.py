@@ -1,0 +1,68 @@
+"""Atomic saves: write to a temporary file in the same folder, then rename over the target."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from stable_baselines3.common.base_class import BaseAlgorithm
+from stable_baselines3.common.vec_env import VecNormalize
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """
+    Yield a temporary path next to ``path``; on success it replaces ``path`` in one rename, on error it is removed,
+    so readers never see a half-written file.
+
+    :param path: the final file path (with its suffix)
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """
+    :param path: final path
+    :param write: writes the content to the path it is given
+    :return: ``path``
+    """
+    with atomic_path(path) as tmp:
+        write(tmp)
+    return Path(path)
+
+
+def save_model(model: BaseAlgorithm, path: str | Path) -> Path:
+    """
+    ``model.save`` done atomically.
+
+    :param model: the algorithm
+    :param path: destination; ``.zip`` is appended when it has no suffix, as SB3 does
+    :return: the final path
+    """
+    path = Path(path)
+    if path.suffix == "":
+        path = path.with_suffix(".zip")
+    return atomic_write(path, model.save)
+
+
+def save_vecnormalize(env: VecNormalize, path: str | Path) -> Path:
+    """
+    ``VecNormalize.save`` done atomically.
+
+    :param env: the normalisation wrapper
+    :param path: destination (``vecnormalize.pkl``)
+    :return: the final path
+    """
+    return atomic_write(path, lambda tmp: env.save(str(tmp)))

@@ -1,0 +1,28 @@
+"""
+Environments shipped with the package, registered with gymnasium on import.
+
+- ``<Name>NoVel-v<N>``: classic-control / Box2D envs with the velocity entries of the observation masked to zero,
+  as the RL Zoo registers them (partially observable: memory helps).
+"""
+
+from gymnasium.envs.registration import register, registry
+
+from sb3_speedups.envs.masked_velocity import VELOCITY_INDICES, MaskVelocityWrapper, make_masked_velocity_env
+
+__all__ = ["VELOCITY_INDICES", "MaskVelocityWrapper", "make_masked_velocity_env", "register_envs"]
+
+
+def register_envs() -> None:
+    """Register the package's environments (idempotent)."""
+    for base_id in VELOCITY_INDICES:
+        name, _, version = base_id.rpartition("-v")
+        env_id = f"{name}NoVel-v{version}"
+        if env_id not in registry:
+            register(
+                id=env_id,
+                entry_point="sb3_speedups.envs.masked_velocity:make_masked_velocity_env",
+                kwargs={"base_id": base_id},
+            )
+
+
+register_envs()

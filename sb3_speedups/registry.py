@@ -1,0 +1,90 @@
+"""
+The one registry of algorithms: RL-Zoo name -> our class, the stock class, the hyperparameters file and the
+Optuna sampler. Classes are named by import path and imported on first use, so that ``sb3-speedups --help``
+stays fast and an algorithm whose optional dependency is missing only fails when it is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from sb3_speedups.errors import UserError
+
+
+def import_object(path: str) -> Any:
+    """
+    Import ``"package.module:attribute"``.
+
+    :param path: import path with a colon before the attribute
+    :return: the attribute
+    """
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
+class AlgoSpec:
+    """
+    One algorithm known to the CLI, the tuner and the benchmark.
+
+    :param name: RL-Zoo name (``ppo``, ``dqn``, ``ppo_lstm``, ...)
+    :param stock: import path of the stock SB3 / sb3-contrib class
+    :param fast: import path of our faster drop-in class, ``None`` where we only run the stock one
+    :param sampler: import path of the Optuna search-space function, ``None`` where there is none
+    """
+
+    name: str
+    stock: str
+    fast: str | None = None
+    sampler: str | None = None
+
+    @property
+    def hyperparams_file(self) -> str:
+        """:return: file name of the bundled hyperparameters (``ppo.yml``)"""
+        return f"{self.name}.yml"
+
+    def cls(self, stock: bool = False) -> type:
+        """
+        :param stock: force the stock class even where we have a faster one
+        :return: the algorithm class
+        """
+        return import_object(self.stock if stock or self.fast is None else self.fast)
+
+    @property
+    def is_off_policy(self) -> bool:
+        """:return: whether the (stock) class is an off-policy algorithm (replay buffer, ``train_freq``)"""
+        from stable_baselines3.common.off_policy_algorithm import OffPolicyAlgorithm
+
+        return issubclass(import_object(self.stock), OffPolicyAlgorithm)
+
+
+ALGOS: dict[str, AlgoSpec] = {
+    spec.name: spec
+    for spec in (
+        AlgoSpec("ppo", "stable_baselines3:PPO"),
+        AlgoSpec("dqn", "stable_baselines3:DQN"),
+        AlgoSpec("ppo_lstm", "sb3_contrib:RecurrentPPO"),
+        AlgoSpec("a2c", "stable_baselines3:A2C"),
+        AlgoSpec("sac", "stable_baselines3:SAC"),
+        AlgoSpec("td3", "stable_baselines3:TD3"),
+        AlgoSpec("ddpg", "stable_baselines3:DDPG"),
+        AlgoSpec("qrdqn", "sb3_contrib:QRDQN"),
+        AlgoSpec("tqc", "sb3_contrib:TQC"),
+        AlgoSpec("trpo", "sb3_contrib:TRPO"),
+        AlgoSpec("ars", "sb3_contrib:ARS"),
+        AlgoSpec("crossq", "sb3_contrib:CrossQ"),
+    )
+}
+
+
+def get_algo(name: str) -> AlgoSpec:
+    """
+    :param name: RL-Zoo algorithm name, case-insensitive
+    :return: its spec
+    """
+    spec = ALGOS.get(name.lower())
+    if spec is None:
+        raise UserError(f"unknown algorithm {name!r}; choose one of: {', '.join(ALGOS)}")
+    return spec

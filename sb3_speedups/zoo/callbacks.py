@@ -1,0 +1,56 @@
+"""Callbacks of a training run that write files: all saves atomic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.vec_env import VecNormalize
+
+from sb3_speedups.common.save_util import save_model, save_vecnormalize
+
+
+class SaveBestModelCallback(BaseCallback):
+    """
+    Child of ``EvalCallback`` (``callback_on_new_best``): saves ``best_model.zip`` (and the VecNormalize statistics
+    next to it) atomically whenever the evaluation return improves.
+
+    :param save_dir: the run folder
+    """
+
+    def __init__(self, save_dir: str | Path, verbose: int = 0) -> None:
+        super().__init__(verbose)
+        self.save_dir = Path(save_dir)
+
+    def _on_step(self) -> bool:
+        save_model(self.model, self.save_dir / "best_model.zip")
+        vec_normalize = self.model.get_vec_normalize_env()
+        if isinstance(vec_normalize, VecNormalize):
+            save_vecnormalize(vec_normalize, self.save_dir / "best_vecnormalize.pkl")
+        if self.verbose > 0:
+            print(f"Saved new best model to {self.save_dir / 'best_model.zip'}")
+        return True
+
+
+class AtomicCheckpointCallback(BaseCallback):
+    """
+    Save ``rl_model_<steps>_steps.zip`` every ``save_freq`` calls (vectorised steps), atomically.
+
+    :param save_freq: period in calls of the callback
+    :param save_dir: folder of the checkpoints
+    """
+
+    def __init__(self, save_freq: int, save_dir: str | Path, verbose: int = 0) -> None:
+        super().__init__(verbose)
+        self.save_freq = save_freq
+        self.save_dir = Path(save_dir)
+
+    def _on_step(self) -> bool:
+        if self.n_calls % self.save_freq == 0:
+            path = save_model(self.model, self.save_dir / f"rl_model_{self.num_timesteps}_steps.zip")
+            vec_normalize = self.model.get_vec_normalize_env()
+            if isinstance(vec_normalize, VecNormalize):
+                save_vecnormalize(vec_normalize, self.save_dir / f"rl_model_vecnormalize_{self.num_timesteps}_steps.pkl")
+            if self.verbose > 1:
+                print(f"Saving model checkpoint to {path}")
+        return True

@@ -1,0 +1,153 @@
+"""Building the (vectorised, wrapped, normalised) environments of a run from its hyperparameters."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+from stable_baselines3.common.env_util import make_vec_env
+from stable_baselines3.common.preprocessing import is_image_space, is_image_space_channels_first
+from stable_baselines3.common.vec_env import VecEnv, VecFrameStack, VecNormalize, VecTransposeImage, is_vecenv_wrapped
+
+import sb3_speedups.envs  # noqa: F401  (registers CartPoleNoVel-v1 & co.)
+from sb3_speedups.errors import UserError
+from sb3_speedups.registry import import_object
+from sb3_speedups.zoo.hyperparams import Hyperparams
+
+# --vec-env name -> import path of the VecEnv class
+VEC_ENV_CLASSES: dict[str, str] = {
+    "dummy": "stable_baselines3.common.vec_env:DummyVecEnv",
+    "subproc": "stable_baselines3.common.vec_env:SubprocVecEnv",
+}
+
+
+def check_env_id(env_id: str) -> None:
+    """
+    Fail with close matches when ``env_id`` is not registered (``module:EnvId`` imports the module first).
+
+    :param env_id: gymnasium id
+    """
+    module, sep, name = env_id.partition(":")
+    if sep:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise UserError(f"cannot import {module!r} for env {env_id!r}: {exc}") from None
+        env_id = name
+    if env_id in gym.registry:
+        return
+    close = difflib.get_close_matches(env_id, list(gym.registry), n=3, cutoff=0.6)
+    hint = f"did you mean {', '.join(close)}?" if close else "check the name, or write module:EnvId to import its package"
+    raise UserError(f"unknown environment id {env_id!r}; {hint}")
+
+
+def is_atari(env_id: str) -> bool:
+    """:return: whether ``env_id`` is an ALE Atari env"""
+    spec = gym.registry.get(env_id.partition(":")[2] or env_id)
+    return spec is not None and "AtariEnv" in str(spec.entry_point)
+
+
+class WrapperChain:
+    """
+    Picklable ``wrapper_class`` applying ``[(wrapper, kwargs), ...]`` in order (works with subprocess workers).
+
+    :param wrappers: wrapper classes with their keyword arguments
+    """
+
+    def __init__(self, wrappers: list[tuple[Any, dict[str, Any]]]) -> None:
+        self.wrappers = list(wrappers)
+
+    def __call__(self, env: gym.Env) -> gym.Env:
+        for wrapper, kwargs in self.wrappers:
+            env = wrapper(env, **kwargs)
+        return env
+
+
+def make_single_env(env_id: str, **kwargs: Any) -> gym.Env:
+    """
+    ``gym.make`` after registering the package's envs (so it also works in freshly spawned workers).
+
+    :param env_id: gymnasium id
+    :param kwargs: ``gym.make`` keyword arguments
+    :return: the env
+    """
+    return gym.make(env_id, **kwargs)
+
+
+def vec_env_class(name: str) -> type[VecEnv]:
+    """
+    :param name: ``dummy``, ``subproc``, ... (``--vec-env``)
+    :return: the VecEnv class
+    """
+    if name not in VEC_ENV_CLASSES:
+        raise UserError(f"unknown --vec-env {name!r}; choose one of: {', '.join(VEC_ENV_CLASSES)}")
+    return import_object(VEC_ENV_CLASSES[name])
+
+
+def _maybe_transpose(env: VecEnv) -> VecEnv:
+    if is_vecenv_wrapped(env, VecTransposeImage):
+        return env
+    obs_spaces = (
+        env.observation_space.spaces.values()
+        if isinstance(env.observation_space, gym.spaces.Dict)
+        else [env.observation_space]
+    )
+    if any(is_image_space(space) and not is_image_space_channels_first(space) for space in obs_spaces):  # type: ignore[arg-type]
+        return VecTransposeImage(env)
+    return env
+
+
+def make_env(
+    env_id: str,
+    hyperparams: Hyperparams,
+    n_envs: int,
+    seed: int | None = None,
+    monitor_dir: str | Path | None = None,
+    vec_env: str = "dummy",
+    eval_env: bool = False,
+    normalize_stats: str | Path | None = None,
+    vec_env_kwargs: dict[str, Any] | None = None,
+) -> VecEnv:
+    """
+    The vectorised env of a run, wrapped as the RL Zoo does: env wrappers, Monitor, VecEnv wrappers, VecNormalize
+    (statistics loaded from ``normalize_stats`` when given), frame stacking, image transposition.
+
+    :param env_id: gymnasium id
+    :param hyperparams: preprocessed hyperparameters
+    :param n_envs: number of envs
+    :param seed: base seed (env ``i`` gets ``seed + i``)
+    :param monitor_dir: folder for Monitor CSV files, or ``None``
+    :param vec_env: ``--vec-env`` name
+    :param eval_env: evaluation env (no reward normalisation, frozen statistics)
+    :param normalize_stats: a saved ``vecnormalize.pkl`` to load
+    :param vec_env_kwargs: extra VecEnv constructor arguments
+    :return: the env
+    """
+    env: VecEnv = make_vec_env(
+        make_single_env,
+        n_envs=n_envs,
+        seed=seed,
+        env_kwargs={"env_id": env_id, **hyperparams.env_kwargs},
+        monitor_dir=None if monitor_dir is None else str(monitor_dir),
+        wrapper_class=WrapperChain(hyperparams.env_wrappers) if hyperparams.env_wrappers else None,
+        vec_env_cls=vec_env_class(vec_env),
+        vec_env_kwargs=vec_env_kwargs,
+        monitor_kwargs=hyperparams.monitor_kwargs,
+    )
+    for wrapper, kwargs in hyperparams.vec_env_wrappers:
+        env = wrapper(env, **kwargs)
+    if normalize_stats is not None and Path(normalize_stats).is_file():
+        env = VecNormalize.load(str(normalize_stats), env)
+        if eval_env:
+            env.training, env.norm_reward = False, False
+    elif hyperparams.normalize:
+        kwargs = dict(hyperparams.normalize_kwargs)
+        if eval_env:
+            kwargs.update(norm_reward=False, training=False)
+        env = VecNormalize(env, **kwargs)
+    if hyperparams.frame_stack:
+        env = VecFrameStack(env, int(hyperparams.frame_stack))
+    return _maybe_transpose(env)
