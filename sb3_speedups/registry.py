@@ -63,7 +63,7 @@ class AlgoSpec:
 ALGOS: dict[str, AlgoSpec] = {
     spec.name: spec
     for spec in (
-        AlgoSpec("ppo", "stable_baselines3:PPO"),
+        AlgoSpec("ppo", "stable_baselines3:PPO", fast="sb3_speedups.ppo:PPO"),
         AlgoSpec("dqn", "stable_baselines3:DQN"),
         AlgoSpec("ppo_lstm", "sb3_contrib:RecurrentPPO"),
         AlgoSpec("a2c", "stable_baselines3:A2C"),
