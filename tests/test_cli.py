@@ -8,6 +8,7 @@ import yaml
 from stable_baselines3 import PPO as StockPPO
 
 from sb3_speedups.cli import main
+from sb3_speedups.zoo.hyperparams import rl_zoo_hyperparams_dir
 from tests.helpers import run_cli
 
 FAST_PPO = ["-params", "n_envs:2", "n_steps:64", "batch_size:64", "n_epochs:2"]
@@ -81,8 +82,10 @@ def test_train_then_enjoy_end_to_end(log_folder: Path):
 
 @pytest.mark.slow
 def test_rl_zoo_published_ppo_file_runs_on_acrobot(log_folder: Path):
-    rl_zoo3 = pytest.importorskip("rl_zoo3")
-    zoo_ppo = Path(rl_zoo3.__file__).parent / "hyperparams" / "ppo.yml"
+    zoo_dir = rl_zoo_hyperparams_dir()
+    if zoo_dir is None:
+        pytest.skip("rl_zoo3 is not installed")
+    zoo_ppo = zoo_dir / "ppo.yml"
     code = main(
         [
             "train",
