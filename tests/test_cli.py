@@ -179,3 +179,20 @@ def test_unknown_flag_and_vec_env_are_argparse_errors(capsys):
 def test_console_entry_point_and_module_exit_code():
     proc = run_cli("train", "--algo", "nope", "--env", "CartPole-v1")
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "unknown algorithm" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "algo, env_id, params",
+    [
+        ("a2c", "CartPole-v1", []),
+        ("td3", "Pendulum-v1", ["learning_starts:100", "train_freq:1", "gradient_steps:1"]),  # RL Zoo: noise_type normal
+        ("qrdqn", "CartPole-v1", ["learning_starts:100"]),
+    ],
+)
+def test_stock_algorithms_with_rl_zoo_files(algo, env_id, params, log_folder):
+    if rl_zoo_hyperparams_dir() is None:
+        pytest.skip("rl_zoo3 is not installed")
+    argv = ["train", "--algo", algo, "--env", env_id, "-n", "300", "-f", str(log_folder), "--eval-freq", "0",
+            "--eval-episodes", "1", "--no-progress", "--verbose", "0"]  # fmt: skip
+    assert main(argv + (["-params", *params] if params else [])) == 0
+    assert (log_folder / algo / f"{env_id}_1" / f"{env_id}.zip").is_file()
