@@ -14,8 +14,9 @@ from typing import Any
 
 import torch as th
 from stable_baselines3.common.callbacks import BaseCallback
-from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.vec_env import VecEnv, sync_envs_normalization
+
+from sb3_speedups.zoo.evaluation import evaluate
 
 # Variants: ours (our class, its own defaults), stock (stock class, torch defaults), stock-1t (stock class with
 # 1 torch thread and fused Adam: the best a user gets from stock SB3 by configuration alone).
@@ -81,7 +82,7 @@ class LearningCurveCallback(BaseCallback):
         self.next_eval += self.eval_every
         paused = time.perf_counter()
         sync_envs_normalization(self.training_env, self.eval_env)
-        mean, _ = evaluate_policy(self.model, self.eval_env, n_eval_episodes=self.n_episodes, deterministic=True)
+        mean, _ = evaluate(self.model, self.eval_env, self.n_episodes)
         self.eval_seconds += time.perf_counter() - paused
         elapsed = self.learn_seconds()
         self.curve.append((elapsed, self.num_timesteps, float(mean)))
@@ -130,7 +131,7 @@ def run(bench: BenchRun) -> dict[str, Any]:
         model.learn(hp.n_timesteps, callback=curve)
         learn_seconds = curve.learn_seconds()
         sync_envs_normalization(env, eval_env)
-        mean, std = evaluate_policy(model, eval_env, n_eval_episodes=bench.eval_episodes, deterministic=True)
+        mean, std = evaluate(model, eval_env, bench.eval_episodes, True)
     finally:
         env.close()
         eval_env.close()
