@@ -9,6 +9,8 @@ parameter layout puts each policy layer next to its value twin, so the stacked w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch as th
 from stable_baselines3.common.policies import ActorCriticPolicy
@@ -88,6 +90,30 @@ def mlp_unsupported_reason(policy: nn.Module) -> str | None:
     return None
 
 
+def stackable(pi: Sequence[nn.Linear], vf: Sequence[nn.Linear]) -> bool:
+    """:return: whether the policy and value layers have the same shapes (and can run as one batched product)"""
+    return [lin.weight.shape for lin in pi] == [lin.weight.shape for lin in vf] and all(
+        lin.bias is not None for lin in [*pi, *vf]
+    )
+
+
+def flat_layout(policy: ActorCriticPolicy) -> list[th.Tensor]:
+    """
+    :return: the policy's parameters in the order of the flat buffer: each policy layer's weight and bias next to its
+        value twin's when the networks are :func:`stackable`, then the heads, then the rest (``log_std``)
+    """
+    pi = [m for m in policy.mlp_extractor.policy_net.modules() if isinstance(m, nn.Linear)]
+    vf = [m for m in policy.mlp_extractor.value_net.modules() if isinstance(m, nn.Linear)]
+    layout: list[th.Tensor] = []
+    if stackable(pi, vf):
+        for p_lin, v_lin in zip(pi, vf, strict=True):
+            layout += [p_lin.weight, v_lin.weight, p_lin.bias, v_lin.bias]
+    else:
+        layout += [q for lin in [*pi, *vf] for q in lin.parameters()]
+    layout += [q for net in (policy.action_net, policy.value_net) for q in net.parameters()]
+    return layout + [p for p in policy.parameters() if all(p is not q for q in layout)]
+
+
 class _Chain:
     """``G`` equally shaped MLPs (the pi/vf pair when stacked, else one) as ``[G, out, in]`` weight views."""
 
@@ -153,19 +179,12 @@ class ActorCriticMlp:
             raise ValueError(reason)
         pi, pi_kind = _linear_layers(policy.mlp_extractor.policy_net)  # type: ignore[misc]
         vf, vf_kind = _linear_layers(policy.mlp_extractor.value_net)  # type: ignore[misc]
-        self.stacked = [lin.weight.shape for lin in pi] == [lin.weight.shape for lin in vf]
-        layout: list[th.Tensor] = []
-        if self.stacked:
-            for p_lin, v_lin in zip(pi, vf, strict=True):
-                layout += [p_lin.weight, v_lin.weight, p_lin.bias, v_lin.bias]
-        else:
-            layout += [q for lin in [*pi, *vf] for q in (lin.weight, lin.bias)]
+        self.stacked = stackable(pi, vf)
+        layout = flat_layout(policy)
         action_net, value_net = policy.action_net, policy.value_net
         assert isinstance(action_net, nn.Linear) and isinstance(value_net, nn.Linear)
         heads = [action_net.weight, action_net.bias, value_net.weight, value_net.bias]
-        layout += heads
         params = list(policy.parameters())
-        layout += [p for p in params if all(p is not q for q in layout)]  # log_std
         self.flat = FlatParameters(params, layout)
         kind = pi_kind or vf_kind
         self.chains = (

@@ -105,6 +105,10 @@ class CategoricalHead(ActionHead):
 
     def sample(self, out: th.Tensor, log_std: th.Tensor | None) -> tuple[th.Tensor, th.Tensor]:
         # As torch's Categorical: normalised logits, softmax probabilities, one multinomial draw per block.
+        if self.discrete:
+            logits = out - out.logsumexp(dim=-1, keepdim=True)
+            sample = th.multinomial(F.softmax(logits, dim=-1), 1, True)
+            return sample.view(-1), logits.gather(-1, sample).view(-1)
         samples, log_probs = [], []
         for start, end in self.bounds:
             logits = out[:, start:end]
@@ -112,8 +116,6 @@ class CategoricalHead(ActionHead):
             sample = th.multinomial(F.softmax(logits, dim=-1), 1, True)
             samples.append(sample)
             log_probs.append(logits.gather(-1, sample))
-        if self.discrete:
-            return samples[0].view(-1), log_probs[0].view(-1)
         return th.cat(samples, dim=1), th.cat(log_probs, dim=1).sum(dim=1)
 
     def log_prob_entropy(self, out: th.Tensor, actions: th.Tensor, log_std: th.Tensor | None) -> tuple[th.Tensor, th.Tensor]:
@@ -127,10 +129,10 @@ class CategoricalHead(ActionHead):
 
     def training_actions(self, actions: th.Tensor) -> dict[str, th.Tensor]:
         index = actions.long().view(actions.shape[0], len(self.nvec))
-        onehot = th.cat([F.one_hot(index[:, j], n) for j, n in enumerate(self.nvec)], dim=1).to(actions.dtype)
-        if self.uniform:
-            index = index.unsqueeze(-1)
-        return {"index": index, "onehot": onehot}
+        starts = th.tensor([start for start, _ in self.bounds], device=actions.device)
+        onehot = th.zeros(actions.shape[0], self.n_outputs, dtype=actions.dtype, device=actions.device)
+        onehot.scatter_(1, index + starts, 1.0)
+        return {"index": index.unsqueeze(-1) if self.uniform else index, "onehot": onehot}
 
     def workspace(self, n: int, device: th.device) -> dict[str, th.Tensor]:
         k = len(self.nvec)
@@ -149,9 +151,12 @@ class CategoricalHead(ActionHead):
         log_prob: th.Tensor,
         neg_entropy: th.Tensor,
     ) -> None:
-        logp_all, p, tmp, picked, block_neg_ent = ws["logp_all"], ws["p"], ws["tmp"], ws["picked"], ws["block_neg_entropy"]
-        index = ws["index"] = actions["index"]
+        logp_all, p, tmp = ws["logp_all"], ws["p"], ws["tmp"]
+        n, index = out.shape[0], actions["index"]
         ws["onehot"] = actions["onehot"]
+        # One block: write straight into the outputs; several: per-block values, then their sum.
+        picked = log_prob.view(n, 1, 1) if self.discrete else ws["picked"]
+        block_neg_ent = ws["block_neg_entropy"] = neg_entropy.view(n, 1, 1) if self.discrete else ws["block_neg_entropy"]
         if self.uniform:
             th.log_softmax(self._blocks(out)[0], 2, out=self._blocks(logp_all)[0])
             th.gather(self._blocks(logp_all)[0], 2, index, out=picked)
@@ -159,16 +164,17 @@ class CategoricalHead(ActionHead):
             for j, (start, end) in enumerate(self.bounds):
                 th.log_softmax(out[:, start:end], 1, out=logp_all[:, start:end])
                 th.gather(logp_all[:, start:end], 1, index[:, j : j + 1], out=picked[:, j : j + 1])
-        th.sum(picked.view(picked.shape[0], -1), 1, out=log_prob)
         th.exp(logp_all, out=p)
         th.mul(p, logp_all, out=tmp)
         # Per-block sum(p * log p) (the negated block entropy) is needed by the entropy gradient.
-        for j, block in enumerate(self._blocks(tmp)):
-            if self.uniform:
-                th.sum(block, 2, keepdim=True, out=block_neg_ent)
-            else:
-                th.sum(block, 1, keepdim=True, out=block_neg_ent[:, j : j + 1])
-        th.sum(block_neg_ent.view(block_neg_ent.shape[0], -1), 1, out=neg_entropy)
+        if self.uniform:
+            th.sum(self._blocks(tmp)[0], 2, keepdim=True, out=block_neg_ent)
+        else:
+            for j, (start, end) in enumerate(self.bounds):
+                th.sum(tmp[:, start:end], 1, keepdim=True, out=block_neg_ent[:, j : j + 1])
+        if not self.discrete:
+            th.sum(picked.view(n, -1), 1, out=log_prob)
+            th.sum(block_neg_ent.view(n, -1), 1, out=neg_entropy)
 
     def backward(
         self,

@@ -28,6 +28,7 @@ from stable_baselines3.common.policies import ActorCriticPolicy, BasePolicy
 from stable_baselines3.common.utils import obs_as_tensor
 from torch import nn
 
+from sb3_speedups.common.fast_mlp import flat_layout, stackable
 from sb3_speedups.common.heads import ActionHead, make_head
 
 _FUNCTIONAL: dict[type[nn.Module], Callable[[th.Tensor], th.Tensor]] = {nn.Tanh: th.tanh, nn.ReLU: F.relu}
@@ -40,16 +41,18 @@ class ParameterMirror:
     :param sources: tensors or parameters to mirror (read afresh at each :meth:`sync`, so a parameter whose
         storage moved is still followed)
     :param device: where the copies live
+    :param keep_order: lay the copies out in the order given (so that neighbours can be viewed as one stacked
+        tensor), instead of in the sources' storage order
     """
 
-    def __init__(self, sources: Sequence[th.Tensor], device: th.device | str = "cpu") -> None:
+    def __init__(self, sources: Sequence[th.Tensor], device: th.device | str = "cpu", keep_order: bool = False) -> None:
         self.sources = list(sources)
         self.device = th.device(device)
         detached = [s.detach() for s in self.sources]
-        # Lay the copies out in source-storage order: when the sources tile one flat buffer, one copy refreshes all.
-        self._order = sorted(
-            range(len(detached)), key=lambda i: (detached[i].untyped_storage().data_ptr(), detached[i].storage_offset())
-        )
+        # In source-storage order, sources that tile one flat buffer are refreshed with one copy.
+        self._order = list(range(len(detached)))
+        if not keep_order:
+            self._order.sort(key=lambda i: (detached[i].untyped_storage().data_ptr(), detached[i].storage_offset()))
         dtype = detached[0].dtype if detached else th.float32
         self.flat = th.empty(sum(s.numel() for s in detached), dtype=dtype, device=self.device)
         self.copies: list[th.Tensor] = [self.flat] * len(detached)
@@ -82,8 +85,11 @@ class ParameterMirror:
         flat = self._tiling(sources)
         if flat is not None:
             self.flat.copy_(flat)
-        else:
+        elif all(s.device == self.device for s in sources):
             th._foreach_copy_(self.copies, sources)
+        else:
+            for copy_, source in zip(self.copies, sources, strict=True):
+                copy_.copy_(source)
 
     def is_current(self) -> bool:
         """:return: whether every copy equals its source (for tests)"""
@@ -168,13 +174,36 @@ class LeanActorCritic:
 
     def __init__(self, policy: ActorCriticPolicy, head: ActionHead, device: th.device | str = "cpu") -> None:
         self.source, self.head, self.device = policy, head, th.device(device)
-        params = list(policy.parameters())
-        self.mirror = ParameterMirror(params, self.device)
-        lookup = {id(p): c for p, c in zip(params, self.mirror.copies, strict=True)}
+        pi, vf = LeanMlp.parse(policy.mlp_extractor.policy_net), LeanMlp.parse(policy.mlp_extractor.value_net)
+        if pi is None or vf is None:
+            raise ValueError("the policy's mlp_extractor is not a plain MLP")
+        # Equally shaped policy and value networks run as one batched product per layer; the copies are laid out
+        # as ActorCriticMlp's flat buffer (each policy layer next to its value twin), so that a sync is one copy.
+        self.stacked = (
+            bool(pi)
+            and len(pi) == len(vf)
+            and stackable([p for p, _ in pi], [v for v, _ in vf])
+            and all(pa is va for (_, pa), (_, va) in zip(pi, vf, strict=True))
+        )
+        order = flat_layout(policy)
+        self.mirror = ParameterMirror(order, self.device, keep_order=True)
+        lookup = {id(t): c for t, c in zip(order, self.mirror.copies, strict=True)}
 
         def mirrored(t: th.Tensor) -> th.Tensor:
             return lookup[id(t)]
 
+        def pair(a: th.Tensor, b: th.Tensor) -> th.Tensor:
+            first = mirrored(a)
+            return self.mirror.flat[first.storage_offset() : first.storage_offset() + 2 * a.numel()].view(2, *a.shape)
+
+        self.layers = (
+            [
+                (pair(p.weight, v.weight), pair(p.bias, v.bias).unsqueeze(1), act)  # type: ignore[arg-type]
+                for (p, act), (v, _) in zip(pi, vf, strict=True)
+            ]
+            if self.stacked
+            else []
+        )
         self.pi = LeanMlp.from_module(policy.mlp_extractor.policy_net, mirrored)
         self.vf = LeanMlp.from_module(policy.mlp_extractor.value_net, mirrored)
         self.action_net = LeanMlp.from_module(policy.action_net, mirrored)
@@ -182,6 +211,16 @@ class LeanActorCritic:
         log_std = getattr(policy, "log_std", None)
         self.log_std = None if log_std is None else mirrored(log_std)
         self.env_actions = box_env_actions(policy, policy.action_space)
+
+    def _latents(self, x: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
+        if not self.stacked:
+            return self.pi(x), self.vf(x)
+        h = x.expand(2, *x.shape)
+        for weight, bias, act in self.layers:
+            h = th.baddbmm(bias, h, weight.transpose(1, 2))
+            if act is not None:
+                h = act(h)
+        return h[0], h[1]
 
     def sync(self) -> None:
         """Refresh the copy from the policy (once per rollout)."""
@@ -194,15 +233,15 @@ class LeanActorCritic:
     @th.inference_mode()
     def act(self, obs: np.ndarray) -> tuple[np.ndarray, th.Tensor, th.Tensor]:
         """:return: sampled actions, values ``[n, 1]`` and log-probabilities ``[n]`` for a batch of observations"""
-        x = self._features(obs)
-        values = self.value_net(self.vf(x))
-        actions, log_prob = self.head.sample(self.action_net(self.pi(x)), self.log_std)
+        latent_pi, latent_vf = self._latents(self._features(obs))
+        values = self.value_net(latent_vf)
+        actions, log_prob = self.head.sample(self.action_net(latent_pi), self.log_std)
         return actions.cpu().numpy(), values, log_prob
 
     @th.inference_mode()
     def predict_values(self, obs: np.ndarray) -> th.Tensor:
         """:return: values ``[n]`` of a batch of observations"""
-        return self.value_net(self.vf(self._features(obs))).view(-1)
+        return self.value_net(self._latents(self._features(obs))[1]).view(-1)
 
     def reset_noise(self, n_envs: int) -> None:
         raise RuntimeError("gSDE policies use ModuleActorCritic")

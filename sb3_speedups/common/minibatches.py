@@ -78,6 +78,10 @@ class MinibatchSampler:
         self.device = device
         self.normalize = normalize
         self.per_epoch_obs = gather_observations == "epoch"
+        # With one minibatch per epoch its order cannot change the update (a mean over all samples), so the data
+        # is gathered (and normalised) once per rollout; the permutation is still drawn to advance numpy's RNG.
+        self.single = batch_size >= self.n
+        self._prepared = False
         self._epoch: dict[str, th.Tensor] = {}
 
     def load(self, observations: Observations, actions: dict[str, th.Tensor], scalars: th.Tensor) -> None:
@@ -94,11 +98,13 @@ class MinibatchSampler:
         )
         self.actions = {k: v.to(to) for k, v in actions.items()}
         self.scalars = scalars.to(to)
+        self._prepared = False
 
     def set_targets(self, advantages: th.Tensor, returns: th.Tensor) -> None:
         """Replace the advantages and returns (after recomputing them), time-major ``[n]``."""
         self.scalars[ADVANTAGES].copy_(advantages)
         self.scalars[RETURNS].copy_(returns)
+        self._prepared = False
 
     def _gather(self, name: str, source: th.Tensor, dim: int, index: th.Tensor) -> th.Tensor:
         shape = list(source.shape)
@@ -110,7 +116,11 @@ class MinibatchSampler:
 
     def shuffle(self) -> None:
         """Draw the epoch's permutation (numpy's global RNG, as SB3) and gather the data in that order."""
-        order = env_major_to_time_major(np.random.permutation(self.n), self.n_steps, self.n_envs)
+        permutation = np.random.permutation(self.n)
+        if self.single and self._prepared:
+            return
+        self._prepared = True
+        order = env_major_to_time_major(permutation, self.n_steps, self.n_envs)
         self.index = th.from_numpy(order).to(self.device)
         self.epoch_scalars = self._gather("scalars", self.scalars, 1, self.index)
         self.epoch_actions = {k: self._gather(f"actions.{k}", v, 0, self.index) for k, v in self.actions.items()}
