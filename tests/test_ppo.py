@@ -25,23 +25,36 @@ from sb3_speedups.registry import get_algo
 
 
 class BoxObsEnv(gym.Env):
-    """A small real env with flat ``Box`` observations for any action space; episodes are cut by a time limit."""
+    """
+    A small real env with ``Box`` observations (flat floats, or a uint8 image) for any action space; episodes are
+    cut by a time limit.
+    """
 
-    def __init__(self, action_space: spaces.Space, episode_length: int = 12) -> None:
-        self.observation_space = spaces.Box(-1, 1, (4,), np.float32)
+    def __init__(self, action_space: spaces.Space, episode_length: int = 12, image: bool = False) -> None:
+        self.image = image
+        if image:
+            self.observation_space = spaces.Box(0, 255, (36, 36, 1), np.uint8)
+        else:
+            self.observation_space = spaces.Box(-1, 1, (4,), np.float32)
         self.action_space = action_space
         self.episode_length = episode_length
+
+    def _observe(self):
+        if self.image:
+            return self.np_random.integers(0, 256, (36, 36, 1), dtype=np.uint8)
+        return self.np_random.uniform(-1, 1, 4).astype(np.float32)
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
         self.t = 0
-        self.state = self.np_random.uniform(-1, 1, 4).astype(np.float32)
+        self.state = self._observe()
         return self.state, {}
 
     def step(self, action):
         self.t += 1
-        reward = -abs(float(np.asarray(action, dtype=np.float32).sum()) - float(self.state.sum()))
-        self.state = self.np_random.uniform(-1, 1, 4).astype(np.float32)
+        target = float(self.state.mean()) if self.image else float(self.state.sum())
+        reward = -abs(float(np.asarray(action, dtype=np.float32).sum()) - target)
+        self.state = self._observe()
         return self.state, reward, False, self.t >= self.episode_length, {}
 
 
@@ -58,27 +71,44 @@ def box_env(name, n_envs=4, seed=0):
     return make_vec_env(lambda: BoxObsEnv(ACTION_SPACES[name]), n_envs=n_envs, seed=seed)
 
 
-def first_rollout(cls, env, **kwargs):
-    model = cls("MlpPolicy", env, seed=3, **SMALL, **kwargs)
+def first_rollout(cls, env, policy="MlpPolicy", **kwargs):
+    model = cls(policy, env, seed=3, **SMALL, **kwargs)
     _, callback = model._setup_learn(10_000, None)
     assert model.collect_rollouts(model.env, callback, model.rollout_buffer, model.n_steps)
     buffer = model.rollout_buffer
     names = ("observations", "actions", "rewards", "episode_starts", "values", "log_probs", "advantages", "returns")
+    if isinstance(buffer.observations, dict):
+        return {
+            **{f"obs.{k}": np.array(v, np.float64) for k, v in buffer.observations.items()},
+            **{name: np.array(getattr(buffer, name), dtype=np.float64) for name in names[1:]},
+        }
     return {name: np.array(getattr(buffer, name), dtype=np.float64) for name in names}
 
 
-@pytest.mark.parametrize("name", [*ACTION_SPACES, "cartpole", "cartpole_fallback"])
+def rollout_case(name):
+    """:return: (env factory, policy, extra kwargs of ours) of a first-rollout case"""
+    if name.startswith("cartpole"):  # a short time limit: truncations bootstrap from the terminal value
+        env = lambda: make_vec_env(lambda: gym.make("CartPole-v1", max_episode_steps=10), n_envs=4, seed=1)  # noqa: E731
+        return env, "MlpPolicy", {"fast_update": False} if name == "cartpole_fallback" else {}
+    if name == "box_sde":
+        return lambda: box_env("box"), "MlpPolicy", {"use_sde": True, "sde_sample_freq": 4}
+    if name == "dict":
+        return lambda: make_vec_env(lambda: SimpleMultiObsEnv(random_start=True), n_envs=2, seed=1), "MultiInputPolicy", {}
+    if name == "image":
+        return lambda: make_vec_env(lambda: BoxObsEnv(spaces.Discrete(3), image=True), n_envs=2, seed=1), "CnnPolicy", {}
+    return lambda: box_env(name), "MlpPolicy", {}
+
+
+@pytest.mark.parametrize("name", [*ACTION_SPACES, "cartpole", "cartpole_fallback", "box_sde", "dict", "image"])
 def test_first_rollout_equals_stock(name):
-    kwargs = {"fast_update": False} if name == "cartpole_fallback" else {}
-
-    def env():
-        if name.startswith("cartpole"):  # a short time limit: truncations bootstrap from the terminal value
-            return make_vec_env(lambda: gym.make("CartPole-v1", max_episode_steps=10), n_envs=4, seed=1)
-        return box_env(name)
-
-    stock, ours = first_rollout(stable_baselines3.PPO, env()), first_rollout(PPO, env(), **kwargs)
-    assert stock["episode_starts"].sum() > 0
-    for key in ("observations", "actions", "episode_starts"):
+    env, policy, kwargs = rollout_case(name)
+    stock_kwargs = {k: v for k, v in kwargs.items() if k in ("use_sde", "sde_sample_freq")}
+    np.random.seed(0)  # SimpleMultiObsEnv draws its observations from numpy's global RNG when created
+    stock = first_rollout(stable_baselines3.PPO, env(), policy, **stock_kwargs)
+    np.random.seed(0)
+    ours = first_rollout(PPO, env(), policy, **kwargs)
+    assert stock["episode_starts"].sum() > 0 or name == "dict"
+    for key in [k for k in stock if k.startswith("obs")] + ["actions", "episode_starts"]:
         np.testing.assert_array_equal(ours[key], stock[key], err_msg=key)
     for key in ("values", "log_probs", "rewards", "advantages", "returns"):
         np.testing.assert_allclose(ours[key], stock[key], rtol=0, atol=1e-5, err_msg=key)
@@ -178,13 +208,17 @@ def test_callbacks_see_what_stock_callbacks_see():
     assert stock.keys - loop_temporaries <= ours.keys
 
 
-def test_dict_observations_use_the_autograd_update():
-    env = make_vec_env(lambda: SimpleMultiObsEnv(random_start=True), n_envs=2, seed=0)
-    model = PPO("MultiInputPolicy", env, seed=0, n_steps=32, batch_size=32, n_epochs=2)
-    model.learn(128)
-    assert "observation space" in model.fast_path_unsupported_reason()
-    assert isinstance(model._speedups.updater, AutogradPPOUpdate) and model._speedups.updater.adam is not None
-    assert model.num_timesteps == 128
+@pytest.mark.parametrize("name,reason", [("dict", "observation space"), ("image", "observation space"), ("box_sde", "gSDE")])
+def test_other_policies_learn_with_the_autograd_update(name, reason):
+    env, policy, kwargs = rollout_case(name)
+    model = PPO(policy, env(), seed=0, **SMALL, **kwargs)
+    before = [p.detach().clone() for p in model.policy.parameters()]
+    model.learn(64)
+    assert reason in model.fast_path_unsupported_reason()
+    updater = model._speedups.updater
+    assert isinstance(updater, AutogradPPOUpdate) and updater.adam is not None  # flat fused Adam all the same
+    assert model.num_timesteps == 64
+    assert any(not th.equal(p, q) for p, q in zip(model.policy.parameters(), before, strict=True))
 
 
 def test_save_load_both_ways_with_stock(tmp_path):
