@@ -81,8 +81,8 @@ class PPO(stable_baselines3.PPO):
         the first (Andrychowicz et al. 2021, "What Matters in On-Policy RL"); the value clipping still uses the
         rollout's values
     :param num_threads: torch CPU threads; ``None`` keeps a value the user set, else uses the package default (1)
-    :param inference_device: where collection acts; with a GPU ``device`` the policy is copied to it once per
-        rollout; ``"auto"`` acts on the training device
+    :param inference_device: where collection acts, from a copy of the policy synced once per rollout (with a GPU
+        ``device``: training on the GPU, acting on the CPU); ``"auto"`` acts on the training device
     :param fast_update: use the hand-derived update for MLP policies (``False`` forces the autograd update)
     :param compile_loss: ``torch.compile`` the autograd update's loss (it only pays on long runs)
     """
