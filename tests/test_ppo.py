@@ -221,6 +221,18 @@ def test_other_policies_learn_with_the_autograd_update(name, reason):
     assert any(not th.equal(p, q) for p, q in zip(model.policy.parameters(), before, strict=True))
 
 
+def test_collection_acts_from_a_copy_synced_once_per_rollout():
+    model = PPO("MlpPolicy", box_env("box"), seed=0, **SMALL)
+    _, callback = model._setup_learn(1000, None)
+    model.collect_rollouts(model.env, callback, model.rollout_buffer, model.n_steps)
+    mirror = model._speedups.actor.mirror
+    assert mirror.is_current() and mirror.flat.data_ptr() != model._speedups.updater.flat.data.data_ptr()
+    model.train()
+    assert not mirror.is_current()  # training does not touch the acting copy ...
+    model.collect_rollouts(model.env, callback, model.rollout_buffer, model.n_steps)
+    assert mirror.is_current()  # ... the next rollout starts with one sync
+
+
 def test_save_load_both_ways_with_stock(tmp_path):
     ours = PPO("MlpPolicy", box_env("box"), seed=0, **SMALL).learn(128)
     ours.save(tmp_path / "ours.zip")
