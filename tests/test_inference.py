@@ -142,8 +142,8 @@ def test_flat_adam_matches_torch_adam_and_saves_as_stock():
                 grads = th.autograd.grad(loss, list(policy.parameters()))
                 for p, g in zip(policy.parameters(), grads, strict=True):
                     flat.grad_of(p).copy_(g)
-                flat.clip_grad_norm_(0.5)
-                adam.step()
+                assert float(flat.clip_divisor(0.5)) > 1.0  # the clipping is exercised
+                adam.step(flat.clip_divisor(0.5))  # clipped inside the fused kernel
             else:
                 loss.backward()
                 th.nn.utils.clip_grad_norm_(policy.parameters(), 0.5)

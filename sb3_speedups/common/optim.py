@@ -83,16 +83,13 @@ class FlatParameters:
         for p in self.params:
             p.grad = self.grad_of(p)
 
-    def clip_grad_norm_(self, max_norm: float) -> th.Tensor:
+    def clip_divisor(self, max_norm: float) -> th.Tensor:
         """
-        ``torch.nn.utils.clip_grad_norm_`` on the flat gradient: one norm, one scale, no host sync.
-
         :param max_norm: the largest allowed total 2-norm
-        :return: the total norm before clipping (a 0-dim tensor)
+        :return: what to divide the gradient by to clip it as ``torch.nn.utils.clip_grad_norm_`` does (a 0-dim tensor,
+            at least 1; no host sync)
         """
-        norm = th.linalg.vector_norm(self.grad)
-        self.grad.mul_(th.clamp(max_norm / (norm + 1e-6), max=1.0))
-        return norm
+        return th.linalg.vector_norm(self.grad).add_(1e-6).div_(max_norm).clamp_(min=1.0)
 
 
 def adam_unsupported_reason(optimizer: th.optim.Optimizer, params: Sequence[th.Tensor]) -> str | None:
@@ -157,8 +154,12 @@ class FlatAdam:
         return all(state.get(p, {}).get("exp_avg") is view for p, view in zip(self.flat.params, self._bound, strict=True))
 
     @th.no_grad()
-    def step(self) -> None:
-        """One Adam step of every parameter with the flat gradient, reading ``lr``/``betas``/``eps`` from the optimizer."""
+    def step(self, grad_divisor: th.Tensor | None = None) -> None:
+        """
+        One Adam step of every parameter with the flat gradient, reading ``lr``/``betas``/``eps`` from the optimizer.
+
+        :param grad_divisor: divide the gradient by this first, inside the fused kernel (gradient clipping)
+        """
         group = self.optimizer.param_groups[0]
         beta1, beta2 = group["betas"]
         self.steps.add_(1)
@@ -176,4 +177,5 @@ class FlatAdam:
             weight_decay=0.0,
             eps=float(group["eps"]),
             maximize=False,
+            grad_scale=grad_divisor,
         )

@@ -27,9 +27,15 @@ from sb3_speedups.common.inference import lean_head
 from sb3_speedups.common.minibatches import Minibatch
 from sb3_speedups.common.optim import FlatAdam, FlatParameters, adam_unsupported_reason
 
-#: per-minibatch statistics, in the order of a stats row (``policy_gradient_loss`` is stored negated: ``mean(min)``)
-STATS = ("neg_policy_gradient_loss", "clip_fraction", "approx_kl", "value_loss", "entropy_loss")
-NEG_PG, CLIP_FRACTION, APPROX_KL, VALUE_LOSS, ENTROPY_LOSS = range(len(STATS))
+#: per-minibatch statistics, in the order of a stats row: ``policy_gradient_loss`` is stored negated (``mean(min)``),
+#: and SB3's ``approx_kl = mean(ratio - 1 - log_ratio)`` as ``mean(ratio)`` and ``mean(log_ratio)`` (see :func:`approx_kl`)
+STATS = ("neg_policy_gradient_loss", "clip_fraction", "ratio", "log_ratio", "value_loss", "entropy_loss")
+NEG_PG, CLIP_FRACTION, RATIO, LOG_RATIO, VALUE_LOSS, ENTROPY_LOSS = range(len(STATS))
+
+
+def approx_kl(stats: Any) -> Any:
+    """:return: SB3's approximate KL divergence from stats rows (numpy array or tensor, last dimension :data:`STATS`)"""
+    return stats[..., RATIO] - 1.0 - stats[..., LOG_RATIO]
 
 
 @dataclass
@@ -75,10 +81,10 @@ class ManualPPOUpdate:
     def _workspace(self, n: int, device: th.device) -> dict[str, Any]:
         if n not in self._ws:
             ws: dict[str, Any] = {"rows": th.empty(len(STATS), n, device=device)}
-            for name in ("log_prob", "logratio", "ratio", "clipped", "s1", "s2", "err", "dv", "dv_clipped", "g_log_prob"):
+            for name in ("log_prob", "clipped", "s1", "s2", "err", "dv", "dv_clipped", "g_log_prob", "mask"):
                 ws[name] = th.empty(n, device=device)
+            ws["zeros"] = th.zeros(n, device=device)
             ws["g_values"] = th.empty(n, 1, device=device)
-            ws["mask"] = th.empty(n, dtype=th.bool, device=device)
             ws["vmask"] = th.empty(n, dtype=th.bool, device=device)
             ws["head"] = self.head.workspace(n, device)
             self._ws[n] = ws
@@ -93,7 +99,7 @@ class ManualPPOUpdate:
         rows = ws["rows"]
         out, values = self.net.forward(obs)
         self.head.forward(ws["head"], out, mb.actions, self.net.log_std, ws["log_prob"], rows[ENTROPY_LOSS])
-        logratio, ratio, clipped, s1, s2, err = ws["logratio"], ws["ratio"], ws["clipped"], ws["s1"], ws["s2"], ws["err"]
+        logratio, ratio, clipped, s1, s2, err = rows[LOG_RATIO], rows[RATIO], ws["clipped"], ws["s1"], ws["s2"], ws["err"]
         th.sub(ws["log_prob"], mb.old_log_prob, out=logratio)
         th.exp(logratio, out=ratio)
         th.mul(mb.advantages, ratio, out=s1)
@@ -101,7 +107,6 @@ class ManualPPOUpdate:
         th.mul(mb.advantages, clipped, out=s2)
         th.minimum(s1, s2, out=rows[NEG_PG])
         th.ne(clipped, ratio, out=rows[CLIP_FRACTION])
-        th.sub(ratio, 1.0, out=rows[APPROX_KL]).sub_(logratio)
         values = values.view(-1)
         if cfg.clip_range_vf is None:
             th.sub(values, mb.returns, out=err)
@@ -114,9 +119,8 @@ class ManualPPOUpdate:
         th.mul(err, err, out=rows[VALUE_LOSS])
         th.mean(rows, 1, out=stats)
         # d loss / d log_prob: -A * ratio / n where min() picks the unclipped term, else 0.
-        g_log_prob = ws["g_log_prob"]
         th.le(s1, s2, out=ws["mask"])
-        th.mul(s1, ws["mask"], out=g_log_prob).mul_(-1.0 / n)
+        th.addcmul(ws["zeros"], s1, ws["mask"], value=-1.0 / n, out=ws["g_log_prob"])
         g_values = ws["g_values"].view(-1)
         th.mul(err, 2.0 * cfg.vf_coef / n, out=g_values)
         if cfg.clip_range_vf is not None:
@@ -132,9 +136,8 @@ class ManualPPOUpdate:
         self.net.backward(d_out, ws["g_values"])
 
     def optimizer_step(self, max_grad_norm: float) -> None:
-        """Clip the gradient's norm and take one Adam step."""
-        self.flat.clip_grad_norm_(max_grad_norm)
-        self.adam.step()
+        """Clip the gradient's norm and take one Adam step (the clipping happens inside the fused kernel)."""
+        self.adam.step(self.flat.clip_divisor(max_grad_norm))
 
     def predict_values(self, observations: Any) -> th.Tensor:
         """:return: values ``[n]`` with the current parameters (for recomputing advantages)"""
@@ -210,8 +213,7 @@ class AutogradPPOUpdate:
         loss = -neg_pg + cfg.ent_coef * entropy_loss + cfg.vf_coef * value_loss
         with th.no_grad():
             clip_fraction = th.mean((th.abs(ratio - 1) > cfg.clip_range).float())
-            approx_kl = th.mean((ratio - 1) - logratio)
-            stats = th.stack([neg_pg, clip_fraction, approx_kl, value_loss, entropy_loss]).detach()
+            stats = th.stack([neg_pg, clip_fraction, ratio.mean(), logratio.mean(), value_loss, entropy_loss]).detach()
         return loss, stats
 
     def forward(self, mb: Minibatch, cfg: PPOLossConfig, stats: th.Tensor) -> None:
@@ -245,8 +247,7 @@ class AutogradPPOUpdate:
             th.nn.utils.clip_grad_norm_(self.policy.parameters(), max_grad_norm)
             self.policy.optimizer.step()
             return
-        self.flat.clip_grad_norm_(max_grad_norm)
-        self.adam.step()
+        self.adam.step(self.flat.clip_divisor(max_grad_norm))
 
     @th.no_grad()
     def predict_values(self, observations: Any, chunk: int = 4096) -> th.Tensor:

@@ -38,7 +38,6 @@ from sb3_speedups.common.minibatches import MinibatchSampler
 from sb3_speedups.common.on_policy import collect_rollout
 from sb3_speedups.common.optim import adam_unsupported_reason
 from sb3_speedups.common.ppo_update import (
-    APPROX_KL,
     CLIP_FRACTION,
     ENTROPY_LOSS,
     NEG_PG,
@@ -47,6 +46,7 @@ from sb3_speedups.common.ppo_update import (
     AutogradPPOUpdate,
     ManualPPOUpdate,
     PPOLossConfig,
+    approx_kl,
 )
 from sb3_speedups.common.torch_utils import apply_num_threads
 from sb3_speedups.errors import UserError
@@ -264,11 +264,11 @@ class PPO(stable_baselines3.PPO):
                 speed.updater.forward(minibatch, cfg, stats[rows])
                 rows += 1
                 if self.target_kl is not None:
-                    approx_kl = float(stats[rows - 1, APPROX_KL])
-                    if approx_kl > 1.5 * self.target_kl:
+                    kl = float(approx_kl(stats[rows - 1].double()))
+                    if kl > 1.5 * self.target_kl:
                         continue_training = False
                         if self.verbose >= 1:
-                            print(f"Early stopping at step {epoch} due to reaching max kl: {approx_kl:.2f}")
+                            print(f"Early stopping at step {epoch} due to reaching max kl: {kl:.2f}")
                         break
                 speed.updater.backward()
                 speed.updater.optimizer_step(cfg.max_grad_norm)
@@ -285,7 +285,7 @@ class PPO(stable_baselines3.PPO):
         self.logger.record("train/entropy_loss", float(means[ENTROPY_LOSS]))
         self.logger.record("train/policy_gradient_loss", float(-means[NEG_PG]))
         self.logger.record("train/value_loss", float(means[VALUE_LOSS]))
-        self.logger.record("train/approx_kl", float(stats[last_epoch_start:, APPROX_KL].mean()))
+        self.logger.record("train/approx_kl", float(approx_kl(stats[last_epoch_start:]).mean()))
         self.logger.record("train/clip_fraction", float(means[CLIP_FRACTION]))
         loss = -last[NEG_PG] + cfg.ent_coef * last[ENTROPY_LOSS] + cfg.vf_coef * last[VALUE_LOSS]
         self.logger.record("train/loss", float(loss))
