@@ -122,6 +122,7 @@ class _Chain:
         self.groups = len(layers)
         depth = len(layers[0])
         self.weights = [flat.stacked([chain[k].weight for chain in layers]) for k in range(depth)]
+        self.weights_t = [w.transpose(1, 2) for w in self.weights]
         self.biases = [flat.stacked([chain[k].bias for chain in layers]).unsqueeze(1) for k in range(depth)]
         self.grad_weights = [flat.stacked([chain[k].weight for chain in layers], grad=True) for k in range(depth)]
         self.grad_biases = [flat.stacked([chain[k].bias for chain in layers], grad=True) for k in range(depth)]
@@ -142,8 +143,8 @@ class _Chain:
             return h
         ws = self._workspace(n, x)
         self.x = h
-        for k, (w, b) in enumerate(zip(self.weights, self.biases, strict=True)):
-            h = activation_(th.baddbmm(b, h, w.transpose(1, 2), out=ws[k]), self.kind)
+        for k, (w_t, b) in enumerate(zip(self.weights_t, self.biases, strict=True)):
+            h = activation_(th.baddbmm(b, h, w_t, out=ws[k]), self.kind)
         return h
 
     def backward(self, d_last: th.Tensor) -> None:
@@ -197,7 +198,8 @@ class ActorCriticMlp:
         log_std = getattr(policy, "log_std", None)
         self.log_std = None if log_std is None else self.flat.data_of(log_std)
         self.grad_log_std = None if log_std is None else self.flat.grad_of(log_std)
-        self._out: dict[int, tuple[th.Tensor, th.Tensor, th.Tensor]] = {}
+        self.action_weight_t, self.value_weight_t = self.action_weight.t(), self.value_weight.t()
+        self._out: dict[int, tuple[th.Tensor, th.Tensor, th.Tensor, th.Tensor]] = {}
 
     def _latents(self, x: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
         if self.stacked:
@@ -208,21 +210,18 @@ class ActorCriticMlp:
     def forward(self, x: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
         """
         :param x: flat float observations ``[n, obs_dim]``
-        :return: the action net's output ``[n, n_actions_out]`` and the values ``[n, 1]`` (reused buffers)
+        :return: the action net's output ``[n, n_actions_out]`` and the values ``[n]`` (reused buffers)
         """
         n = x.shape[0]
         if n not in self._out:
             n_out = self.action_weight.shape[0]
-            self._out[n] = (
-                th.empty(n, n_out, device=x.device),
-                th.empty(n, 1, device=x.device),
-                th.empty(n, n_out, device=x.device),
-            )
-        out, values, _ = self._out[n]
+            values = th.empty(n, 1, device=x.device)
+            self._out[n] = (th.empty(n, n_out, device=x.device), values, th.empty(n, n_out, device=x.device), values.view(-1))
+        out, values, _, values_flat = self._out[n]
         self.latent_pi, self.latent_vf = self._latents(x)
-        th.addmm(self.action_bias, self.latent_pi, self.action_weight.t(), out=out)
-        th.addmm(self.value_bias, self.latent_vf, self.value_weight.t(), out=values)
-        return out, values
+        th.addmm(self.action_bias, self.latent_pi, self.action_weight_t, out=out)
+        th.addmm(self.value_bias, self.latent_vf, self.value_weight_t, out=values)
+        return out, values_flat
 
     def d_out_buffer(self, n: int) -> th.Tensor:
         """:return: a buffer for the gradient of the action net's output (filled by the action head)"""

@@ -139,7 +139,7 @@ class CategoricalHead(ActionHead):
         ws = {name: th.empty(n, self.n_outputs, device=device) for name in ("logp_all", "p", "tmp")}
         shape = (n, k, 1) if self.uniform else (n, k)
         ws["picked"] = th.empty(shape, device=device)
-        ws["block_neg_entropy"] = th.empty(shape, device=device)
+        ws["picked_neg_entropy"] = th.empty(shape, device=device)
         return ws
 
     def forward(
@@ -154,12 +154,19 @@ class CategoricalHead(ActionHead):
         logp_all, p, tmp = ws["logp_all"], ws["p"], ws["tmp"]
         n, index = out.shape[0], actions["index"]
         ws["onehot"] = actions["onehot"]
-        # One block: write straight into the outputs; several: per-block values, then their sum.
-        picked = log_prob.view(n, 1, 1) if self.discrete else ws["picked"]
-        block_neg_ent = ws["block_neg_entropy"] = neg_entropy.view(n, 1, 1) if self.discrete else ws["block_neg_entropy"]
-        if self.uniform:
-            th.log_softmax(self._blocks(out)[0], 2, out=self._blocks(logp_all)[0])
-            th.gather(self._blocks(logp_all)[0], 2, index, out=picked)
+        views = ws.get("views")
+        if views is None or views[0] is not out or views[1] is not log_prob or views[2] is not neg_entropy:
+            # One block: write straight into the outputs; several: per-block values, then their sum. The buffers
+            # are reused from one minibatch to the next, so their views are made once.
+            picked = log_prob.view(n, 1, 1) if self.discrete else ws["picked"]
+            block_neg_ent = neg_entropy.view(n, 1, 1) if self.discrete else ws["picked_neg_entropy"]
+            blocks = (self._blocks(out)[0], self._blocks(logp_all)[0], self._blocks(tmp)[0]) if self.uniform else None
+            views = ws["views"] = (out, log_prob, neg_entropy, picked, block_neg_ent, blocks)
+        picked, block_neg_ent, blocks = views[3], views[4], views[5]
+        ws["block_neg_entropy"] = block_neg_ent
+        if blocks is not None:
+            th.log_softmax(blocks[0], 2, out=blocks[1])
+            th.gather(blocks[1], 2, index, out=picked)
         else:
             for j, (start, end) in enumerate(self.bounds):
                 th.log_softmax(out[:, start:end], 1, out=logp_all[:, start:end])
@@ -167,8 +174,8 @@ class CategoricalHead(ActionHead):
         th.exp(logp_all, out=p)
         th.mul(p, logp_all, out=tmp)
         # Per-block sum(p * log p) (the negated block entropy) is needed by the entropy gradient.
-        if self.uniform:
-            th.sum(self._blocks(tmp)[0], 2, keepdim=True, out=block_neg_ent)
+        if blocks is not None:
+            th.sum(blocks[2], 2, keepdim=True, out=block_neg_ent)
         else:
             for j, (start, end) in enumerate(self.bounds):
                 th.sum(tmp[:, start:end], 1, keepdim=True, out=block_neg_ent[:, j : j + 1])

@@ -105,6 +105,7 @@ class LeanMlp:
 
     def __init__(self, layers: list[tuple[th.Tensor, th.Tensor | None, Callable[[th.Tensor], th.Tensor] | None]]) -> None:
         self.layers = layers
+        self._layers_t = [(weight.t(), bias, act) for weight, bias, act in layers]  # views: they follow the weights
 
     @staticmethod
     def parse(seq: nn.Module) -> list[tuple[nn.Linear, Callable[[th.Tensor], th.Tensor] | None]] | None:
@@ -143,8 +144,8 @@ class LeanMlp:
         return cls([(mirror(lin.weight), None if lin.bias is None else mirror(lin.bias), act) for lin, act in pairs])
 
     def __call__(self, x: th.Tensor) -> th.Tensor:
-        for weight, bias, act in self.layers:
-            x = x @ weight.t() if bias is None else th.addmm(bias, x, weight.t())
+        for weight_t, bias, act in self._layers_t:
+            x = x @ weight_t if bias is None else th.addmm(bias, x, weight_t)
             if act is not None:
                 x = act(x)
         return x
@@ -196,9 +197,10 @@ class LeanActorCritic:
             first = mirrored(a)
             return self.mirror.flat[first.storage_offset() : first.storage_offset() + 2 * a.numel()].view(2, *a.shape)
 
+        # (transposed weights [2, in, out], biases [2, 1, out], activation), views of the mirror
         self.layers = (
             [
-                (pair(p.weight, v.weight), pair(p.bias, v.bias).unsqueeze(1), act)  # type: ignore[arg-type]
+                (pair(p.weight, v.weight).transpose(1, 2), pair(p.bias, v.bias).unsqueeze(1), act)  # type: ignore[arg-type]
                 for (p, act), (v, _) in zip(pi, vf, strict=True)
             ]
             if self.stacked
@@ -216,8 +218,8 @@ class LeanActorCritic:
         if not self.stacked:
             return self.pi(x), self.vf(x)
         h = x.expand(2, *x.shape)
-        for weight, bias, act in self.layers:
-            h = th.baddbmm(bias, h, weight.transpose(1, 2))
+        for weight_t, bias, act in self.layers:
+            h = th.baddbmm(bias, h, weight_t)
             if act is not None:
                 h = act(h)
         return h[0], h[1]
@@ -228,7 +230,7 @@ class LeanActorCritic:
 
     def _features(self, obs: np.ndarray) -> th.Tensor:
         x = th.as_tensor(obs, device=self.device).float()
-        return x.view(x.shape[0], -1)
+        return x if x.dim() == 2 else x.view(x.shape[0], -1)
 
     @th.inference_mode()
     def act(self, obs: np.ndarray) -> tuple[np.ndarray, th.Tensor, th.Tensor]:
@@ -236,7 +238,7 @@ class LeanActorCritic:
         latent_pi, latent_vf = self._latents(self._features(obs))
         values = self.value_net(latent_vf)
         actions, log_prob = self.head.sample(self.action_net(latent_pi), self.log_std)
-        return actions.cpu().numpy(), values, log_prob
+        return (actions if actions.device.type == "cpu" else actions.cpu()).numpy(), values, log_prob
 
     @th.inference_mode()
     def predict_values(self, obs: np.ndarray) -> th.Tensor:

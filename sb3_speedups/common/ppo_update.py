@@ -85,6 +85,8 @@ class ManualPPOUpdate:
                 ws[name] = th.empty(n, device=device)
             ws["zeros"] = th.zeros(n, device=device)
             ws["g_values"] = th.empty(n, 1, device=device)
+            ws["g_values_flat"] = ws["g_values"].view(-1)
+            ws["row"] = list(ws["rows"])  # views of each statistic's row, made once
             ws["vmask"] = th.empty(n, dtype=th.bool, device=device)
             ws["head"] = self.head.workspace(n, device)
             self._ws[n] = ws
@@ -96,18 +98,17 @@ class ManualPPOUpdate:
         assert isinstance(obs, th.Tensor)
         n = obs.shape[0]
         ws = self._ws.get(n) or self._workspace(n, obs.device)
-        rows = ws["rows"]
+        row = ws["row"]
         out, values = self.net.forward(obs)
-        self.head.forward(ws["head"], out, mb.actions, self.net.log_std, ws["log_prob"], rows[ENTROPY_LOSS])
-        logratio, ratio, clipped, s1, s2, err = rows[LOG_RATIO], rows[RATIO], ws["clipped"], ws["s1"], ws["s2"], ws["err"]
+        self.head.forward(ws["head"], out, mb.actions, self.net.log_std, ws["log_prob"], row[ENTROPY_LOSS])
+        logratio, ratio, clipped, s1, s2, err = row[LOG_RATIO], row[RATIO], ws["clipped"], ws["s1"], ws["s2"], ws["err"]
         th.sub(ws["log_prob"], mb.old_log_prob, out=logratio)
         th.exp(logratio, out=ratio)
         th.mul(mb.advantages, ratio, out=s1)
         th.clamp(ratio, 1 - cfg.clip_range, 1 + cfg.clip_range, out=clipped)
         th.mul(mb.advantages, clipped, out=s2)
-        th.minimum(s1, s2, out=rows[NEG_PG])
-        th.ne(clipped, ratio, out=rows[CLIP_FRACTION])
-        values = values.view(-1)
+        th.minimum(s1, s2, out=row[NEG_PG])
+        th.ne(clipped, ratio, out=row[CLIP_FRACTION])
         if cfg.clip_range_vf is None:
             th.sub(values, mb.returns, out=err)
         else:
@@ -116,12 +117,12 @@ class ManualPPOUpdate:
             th.clamp(dv, -cfg.clip_range_vf, cfg.clip_range_vf, out=dv_clipped)
             th.eq(dv, dv_clipped, out=ws["vmask"])  # the clamp passes gradient only inside the range
             th.add(mb.old_values, dv_clipped, out=err).sub_(mb.returns)
-        th.mul(err, err, out=rows[VALUE_LOSS])
-        th.mean(rows, 1, out=stats)
+        th.mul(err, err, out=row[VALUE_LOSS])
+        th.mean(ws["rows"], 1, out=stats)
         # d loss / d log_prob: -A * ratio / n where min() picks the unclipped term, else 0.
         th.le(s1, s2, out=ws["mask"])
         th.addcmul(ws["zeros"], s1, ws["mask"], value=-1.0 / n, out=ws["g_log_prob"])
-        g_values = ws["g_values"].view(-1)
+        g_values = ws["g_values_flat"]
         th.mul(err, 2.0 * cfg.vf_coef / n, out=g_values)
         if cfg.clip_range_vf is not None:
             g_values.mul_(ws["vmask"])
