@@ -10,7 +10,7 @@ from stable_baselines3.common.policies import ActorCriticPolicy, MultiInputActor
 from torch import nn
 
 from sb3_speedups.common.fast_mlp import ActorCriticMlp
-from sb3_speedups.common.heads import make_head
+from sb3_speedups.common.heads import make_head, sample_one_per_row
 from sb3_speedups.common.inference import LeanActorCritic, LeanMlp, ModuleActorCritic, ParameterMirror
 from sb3_speedups.common.optim import FlatAdam, FlatParameters, adam_unsupported_reason
 
@@ -176,3 +176,14 @@ def test_adam_support_checks():
     assert adam_unsupported_reason(policy.optimizer, params) is None
     assert "SGD" in adam_unsupported_reason(th.optim.SGD(params, lr=0.1), params)
     assert "amsgrad" in adam_unsupported_reason(th.optim.Adam(params, amsgrad=True), params)
+
+
+@pytest.mark.parametrize("k", [2, 3, 7])
+def test_single_draw_equals_torch_multinomial(k):
+    probs = th.softmax(th.randn(500, k), dim=-1)
+    th.manual_seed(11)
+    expected = th.multinomial(probs, 1, True)
+    after = th.rand(2)
+    th.manual_seed(11)
+    th.testing.assert_close(sample_one_per_row(probs), expected, rtol=0, atol=0)
+    th.testing.assert_close(th.rand(2), after)

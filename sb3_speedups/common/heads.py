@@ -24,6 +24,19 @@ from stable_baselines3.common.distributions import (
 _LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))
 
 
+def sample_one_per_row(probs: th.Tensor) -> th.Tensor:
+    """
+    ``torch.multinomial(probs, 1, replacement=True)`` without its validation passes (two host syncs): one exponential
+    race, ``argmax(probs / q)`` with ``q ~ Exp(1)`` drawn from torch's RNG, which is how torch draws a single
+    sample, so the draws and the RNG state afterwards are the same (``tests/test_inference.py`` checks it).
+
+    :param probs: valid probabilities ``[n, k]`` (e.g. a softmax)
+    :return: one category index per row ``[n, 1]`` (int64)
+    """
+    q = th.empty_like(probs).exponential_()
+    return th.argmax(th.div(probs, q, out=q), dim=-1, keepdim=True)
+
+
 class ActionHead:
     """
     One action distribution family. ``out`` is the action net's output ``[n, n_outputs]``; ``log_std`` is the
@@ -107,13 +120,13 @@ class CategoricalHead(ActionHead):
         # As torch's Categorical: normalised logits, softmax probabilities, one multinomial draw per block.
         if self.discrete:
             logits = out - out.logsumexp(dim=-1, keepdim=True)
-            sample = th.multinomial(F.softmax(logits, dim=-1), 1, True)
+            sample = sample_one_per_row(F.softmax(logits, dim=-1))
             return sample.view(-1), logits.gather(-1, sample).view(-1)
         samples, log_probs = [], []
         for start, end in self.bounds:
             logits = out[:, start:end]
             logits = logits - logits.logsumexp(dim=-1, keepdim=True)
-            sample = th.multinomial(F.softmax(logits, dim=-1), 1, True)
+            sample = sample_one_per_row(F.softmax(logits, dim=-1))
             samples.append(sample)
             log_probs.append(logits.gather(-1, sample))
         return th.cat(samples, dim=1), th.cat(log_probs, dim=1).sum(dim=1)

@@ -232,15 +232,16 @@ class LeanActorCritic:
         x = th.as_tensor(obs, device=self.device).float()
         return x if x.dim() == 2 else x.view(x.shape[0], -1)
 
-    @th.inference_mode()
     def act(self, obs: np.ndarray) -> tuple[np.ndarray, th.Tensor, th.Tensor]:
-        """:return: sampled actions, values ``[n, 1]`` and log-probabilities ``[n]`` for a batch of observations"""
+        """
+        :return: sampled actions, values ``[n, 1]`` and log-probabilities ``[n]`` for a batch of observations (the
+            copy's tensors never require gradients, so no autograd state is recorded without any grad-mode context)
+        """
         latent_pi, latent_vf = self._latents(self._features(obs))
         values = self.value_net(latent_vf)
         actions, log_prob = self.head.sample(self.action_net(latent_pi), self.log_std)
         return (actions if actions.device.type == "cpu" else actions.cpu()).numpy(), values, log_prob
 
-    @th.inference_mode()
     def predict_values(self, obs: np.ndarray) -> th.Tensor:
         """:return: values ``[n]`` of a batch of observations"""
         return self.value_net(self._latents(self._features(obs))[1]).view(-1)

@@ -82,6 +82,7 @@ class MinibatchSampler:
         # is gathered (and normalised) once per rollout; the permutation is still drawn to advance numpy's RNG.
         self.single = batch_size >= self.n
         self._prepared = False
+        self._single_batch: Minibatch | None = None
         self._epoch: dict[str, th.Tensor] = {}
 
     def load(self, observations: Observations, actions: dict[str, th.Tensor], scalars: th.Tensor) -> None:
@@ -120,6 +121,7 @@ class MinibatchSampler:
         if self.single and self._prepared:
             return
         self._prepared = True
+        self._single_batch = None
         order = env_major_to_time_major(permutation, self.n_steps, self.n_envs)
         self.index = th.from_numpy(order).to(self.device)
         self.epoch_scalars = self._gather("scalars", self.scalars, 1, self.index)
@@ -145,10 +147,13 @@ class MinibatchSampler:
 
     def minibatches(self) -> Iterator[Minibatch]:
         """:return: the epoch's minibatches, in order (slices of the gathered epoch tensors)"""
+        if self._single_batch is not None:
+            yield self._single_batch
+            return
         s = self.epoch_scalars
         for start in range(0, self.n, self.batch_size):
             end = min(start + self.batch_size, self.n)
-            yield Minibatch(
+            batch = Minibatch(
                 self._observations(start, end),
                 {k: v[start:end] for k, v in self.epoch_actions.items()},
                 s[OLD_VALUES, start:end],
@@ -156,3 +161,6 @@ class MinibatchSampler:
                 s[ADVANTAGES, start:end],
                 s[RETURNS, start:end],
             )
+            if self.single:
+                self._single_batch = batch  # the same views serve every epoch until the data is gathered again
+            yield batch

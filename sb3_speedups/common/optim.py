@@ -153,10 +153,10 @@ class FlatAdam:
         state = self.optimizer.state
         return all(state.get(p, {}).get("exp_avg") is view for p, view in zip(self.flat.params, self._bound, strict=True))
 
-    @th.no_grad()
     def step(self, grad_divisor: th.Tensor | None = None) -> None:
         """
         One Adam step of every parameter with the flat gradient, reading ``lr``/``betas``/``eps`` from the optimizer.
+        (The flat buffers are plain tensors, so no ``no_grad`` context is needed.)
 
         :param grad_divisor: divide the gradient by this first, inside the fused kernel (gradient clipping)
         """
