@@ -10,6 +10,7 @@ hand-derived PPO update (no autograd graph: the gradients of ``log_prob`` and ``
 from __future__ import annotations
 
 import math
+from typing import Any
 import torch as th
 import torch.nn.functional as F
 from gymnasium import spaces
@@ -65,13 +66,13 @@ class ActionHead:
         """
         return {"actions": actions}
 
-    def workspace(self, n: int, device: th.device) -> dict[str, th.Tensor]:
+    def workspace(self, n: int, device: th.device) -> dict[str, Any]:
         """:return: preallocated buffers for a minibatch of ``n`` rows"""
         return {}
 
     def forward(
         self,
-        ws: dict[str, th.Tensor],
+        ws: dict[str, Any],
         out: th.Tensor,
         actions: dict[str, th.Tensor],
         log_std: th.Tensor | None,
@@ -83,7 +84,7 @@ class ActionHead:
 
     def backward(
         self,
-        ws: dict[str, th.Tensor],
+        ws: dict[str, Any],
         g_log_prob: th.Tensor,
         entropy_grad: float,
         d_out: th.Tensor,
@@ -147,7 +148,7 @@ class CategoricalHead(ActionHead):
         onehot.scatter_(1, index + starts, 1.0)
         return {"index": index.unsqueeze(-1) if self.uniform else index, "onehot": onehot}
 
-    def workspace(self, n: int, device: th.device) -> dict[str, th.Tensor]:
+    def workspace(self, n: int, device: th.device) -> dict[str, Any]:
         k = len(self.nvec)
         ws = {name: th.empty(n, self.n_outputs, device=device) for name in ("logp_all", "p", "tmp")}
         shape = (n, k, 1) if self.uniform else (n, k)
@@ -157,7 +158,7 @@ class CategoricalHead(ActionHead):
 
     def forward(
         self,
-        ws: dict[str, th.Tensor],
+        ws: dict[str, Any],
         out: th.Tensor,
         actions: dict[str, th.Tensor],
         log_std: th.Tensor | None,
@@ -198,7 +199,7 @@ class CategoricalHead(ActionHead):
 
     def backward(
         self,
-        ws: dict[str, th.Tensor],
+        ws: dict[str, Any],
         g_log_prob: th.Tensor,
         entropy_grad: float,
         d_out: th.Tensor,
@@ -228,12 +229,12 @@ class BernoulliHead(ActionHead):
         entropy = F.binary_cross_entropy_with_logits(out, th.sigmoid(out), reduction="none").sum(dim=1)
         return log_prob, entropy
 
-    def workspace(self, n: int, device: th.device) -> dict[str, th.Tensor]:
+    def workspace(self, n: int, device: th.device) -> dict[str, Any]:
         return {name: th.empty(n, self.n_outputs, device=device) for name in ("sigma", "tmp")}
 
     def forward(
         self,
-        ws: dict[str, th.Tensor],
+        ws: dict[str, Any],
         out: th.Tensor,
         actions: dict[str, th.Tensor],
         log_std: th.Tensor | None,
@@ -254,7 +255,7 @@ class BernoulliHead(ActionHead):
 
     def backward(
         self,
-        ws: dict[str, th.Tensor],
+        ws: dict[str, Any],
         g_log_prob: th.Tensor,
         entropy_grad: float,
         d_out: th.Tensor,
@@ -290,12 +291,12 @@ class DiagGaussianHead(ActionHead):
         entropy = (0.5 + _LOG_SQRT_2PI + log_std).sum().expand(out.shape[0])
         return log_prob, entropy
 
-    def workspace(self, n: int, device: th.device) -> dict[str, th.Tensor]:
+    def workspace(self, n: int, device: th.device) -> dict[str, Any]:
         return {"z": th.empty(n, self.n_outputs, device=device), "z2": th.empty(n, self.n_outputs, device=device)}
 
     def forward(
         self,
-        ws: dict[str, th.Tensor],
+        ws: dict[str, Any],
         out: th.Tensor,
         actions: dict[str, th.Tensor],
         log_std: th.Tensor | None,
@@ -317,7 +318,7 @@ class DiagGaussianHead(ActionHead):
 
     def backward(
         self,
-        ws: dict[str, th.Tensor],
+        ws: dict[str, Any],
         g_log_prob: th.Tensor,
         entropy_grad: float,
         d_out: th.Tensor,
