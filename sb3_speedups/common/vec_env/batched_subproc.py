@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from multiprocessing import reduction
 from typing import Any
@@ -178,10 +179,11 @@ class BatchedSubprocVecEnv(SubsetSteppingMixin, VecEnv):
                 self.reset_infos[index] = reset_info
 
     def _obs(self, rows: np.ndarray | None = None) -> VecEnvObs:
+        # An OrderedDict, as DummyVecEnv returns for Dict spaces
         if rows is None:
-            parts = {key: array.copy() for key, array in self._obs_arrays}
+            parts = OrderedDict((key, array.copy()) for key, array in self._obs_arrays)
         else:
-            parts = {key: array[rows] for key, array in self._obs_arrays}
+            parts = OrderedDict((key, array[rows]) for key, array in self._obs_arrays)
         return dict_to_obs(self.observation_space, parts)
 
     # --- VecEnv API -----------------------------------------------------------------------------------------

@@ -233,10 +233,9 @@ class Worker:
         assert self.group is not None
         return self.group.reset(*data)
 
-    def _set_attr(self, data: tuple[str, Any, list[int]]) -> None:
+    def _set_attr(self, data: tuple[str, Any, list[int]]) -> list[None]:
         name, value, indices = data
-        for env in self._targets(indices):
-            setattr(env, name, value)
+        return [setattr(env, name, value) for env in self._targets(indices)]  # type: ignore[func-returns-value]
 
     def _env_method(self, data: tuple[str, tuple[Any, ...], dict[str, Any], list[int]]) -> list[Any]:
         name, args, kwargs, indices = data
