@@ -80,7 +80,7 @@ class SpacesEnv(gym.Env):
 
     def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
         self.t += 1
-        if self.fail_at is not None and self.t == self.fail_at and self.episodes == 1:
+        if self.fail_at is not None and self.t == self.fail_at and self.episodes == 1 and type(self) is SpacesEnv:
             raise ValueError(f"step {self.t} failed on purpose")
         obs = draw(self.observation_space, self.np_random)
         reward = float(np.sum(action)) + self.offset + float(self.np_random.random())
@@ -98,10 +98,13 @@ class SpacesEnv(gym.Env):
 
 
 class KillSelfEnv(SpacesEnv):
-    """SIGKILLs its own process at step ``fail_at`` (a worker dying under the main process)."""
+    """SIGKILLs its own process at its ``fail_at``-th step (a worker dying under the main process)."""
+
+    total = 0
 
     def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
-        if self.fail_at is not None and self.t + 1 == self.fail_at:
+        self.total += 1
+        if self.total == self.fail_at:
             os.kill(os.getpid(), 9)
         return super().step(action)
 

@@ -26,7 +26,7 @@ from stable_baselines3.common.vec_env.util import dict_to_obs
 
 from sb3_speedups.common.vec_env import startup
 from sb3_speedups.common.vec_env.env_group import EnvGroup, InfoRecord, annotate, detach_info, obs_keys, obs_specs
-from sb3_speedups.common.vec_env.pool import WorkerDiedError, WorkerHandle, WorkerPool
+from sb3_speedups.common.vec_env.pool import WorkerDiedError, WorkerHandle, WorkerPool, unlink_semaphore_names
 from sb3_speedups.common.vec_env.shared_memory import ArraySpec, SharedArrays
 from sb3_speedups.common.vec_env.stepping import SubsetSteppingMixin
 from sb3_speedups.common.vec_env.worker import ACTION_DTYPES, ACTION_ITEM_BYTES, ACTIONS_ON_PIPE, CONTROL_SLOTS
@@ -87,6 +87,7 @@ class BatchedSubprocVecEnv(SubsetSteppingMixin, VecEnv):
             observation_space, action_space = self._make_envs(env_fns)
             self._attach(n_envs, observation_space, action_space)
         except BaseException:
+            self._pool.abandon()
             self._teardown()
             raise
         self._init_subsets()
@@ -110,6 +111,8 @@ class BatchedSubprocVecEnv(SubsetSteppingMixin, VecEnv):
             pool.replies_quietly(pool.workers)
             raise
         pool.replies(pool.workers)
+        # Every worker has answered, so it has opened its semaphores: their names are no longer needed.
+        unlink_semaphore_names([sem for worker in pool.workers for sem in (worker.go, worker.done)])
         if self._local_envs:
             return self._local_envs[0].observation_space, self._local_envs[0].action_space
         pool.request(pool.workers[0], "get_spaces", None)
@@ -245,6 +248,8 @@ class BatchedSubprocVecEnv(SubsetSteppingMixin, VecEnv):
             if self._pool.broken is None:
                 self._drain()
                 self._pool.close()
+            else:
+                self._pool.abandon()
         except Exception:  # a worker that cannot close cleanly is killed by the teardown
             pass
         finally:

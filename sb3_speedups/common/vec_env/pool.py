@@ -53,7 +53,31 @@ def reraise(record: ErrorRecord) -> None:
     :param record: ``(exception or None, "Type: message", traceback text)``
     """
     exc, summary, text = record
-    raise (exc if exc is not None else RuntimeError(summary)) from RemoteTraceback(text)
+    try:
+        raise (exc if exc is not None else RuntimeError(summary)) from RemoteTraceback(text)
+    finally:
+        # No frame -> exception -> traceback -> frame cycle: it would keep the workers' semaphores alive.
+        exc = record = None  # type: ignore[assignment]
+
+
+def unlink_semaphore_names(semaphores: list[Any]) -> None:
+    """
+    Remove the /dev/shm names of semaphores that every process has opened already (spawn and forkserver
+    name them so children can open them; fork needs no names). Runs multiprocessing's own clean-up now
+    instead of at garbage collection, so no name is left behind even if this process is killed later.
+
+    :param semaphores: multiprocessing semaphores
+    """
+    from multiprocessing import synchronize, util
+
+    names = {sem._semlock.name for sem in semaphores if getattr(sem._semlock, "name", None)}
+    if not names:
+        return
+    registry = getattr(util, "_finalizer_registry", {})
+    for finalizer in list(registry.values()):
+        callback, args = getattr(finalizer, "_callback", None), getattr(finalizer, "_args", ())
+        if callback is synchronize.SemLock._cleanup and args and args[0] in names:
+            finalizer()
 
 
 @dataclass(eq=False)
@@ -147,7 +171,10 @@ class WorkerPool:
             self.check_alive(worker, "a command", wait_s=2.0)
             raise
         if status == "error":
-            reraise(result)
+            try:
+                reraise(result)
+            finally:
+                result = None
         return result
 
     def replies(self, workers: Sequence[WorkerHandle]) -> list[Any]:
@@ -162,7 +189,10 @@ class WorkerPool:
                 error = error or exc
                 results.append(None)
         if error is not None:
-            raise error
+            try:
+                raise error
+            finally:
+                error = None
         return results
 
     def replies_quietly(self, workers: Sequence[WorkerHandle]) -> None:
@@ -218,7 +248,10 @@ class WorkerPool:
             else:
                 records.extend(result)
         if error is not None:
-            reraise(error)
+            try:
+                reraise(error)
+            finally:
+                error = result = None
         return records
 
     def finish_quietly(self, workers: Sequence[WorkerHandle]) -> None:
@@ -235,6 +268,14 @@ class WorkerPool:
         """Ask every worker to close its envs and exit."""
         self.request_all("close", None)
         self.replies(self.workers)
+
+    def abandon(self) -> None:
+        """Tell every worker to exit now, without waiting for answers (start-up failed, or a worker died)."""
+        for worker in self.workers:
+            try:
+                self.request(worker, "close", None)
+            except OSError:  # that worker is gone already
+                pass
 
     def teardown(self) -> None:
         """Reap the processes (killing any that does not exit) and close the pipes."""
