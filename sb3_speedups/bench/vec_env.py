@@ -24,6 +24,7 @@ import numpy as np
 from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_speedups.common.env_util import make_vec_env
+from sb3_speedups.common.vec_env import BatchedSubprocVecEnv
 from sb3_speedups.zoo.envs import VEC_ENV_CLASSES, vec_env_class
 
 PROCESS_KINDS = ("subproc", "batched")
@@ -103,7 +104,7 @@ def measure_throughput(
 
 def _split_details(env: VecEnv) -> dict[str, Any]:
     unwrapped = env.unwrapped
-    if not hasattr(unwrapped, "n_local"):
+    if not isinstance(unwrapped, BatchedSubprocVecEnv):
         return {}
     return {"n_local": unwrapped.n_local, "n_workers": len(unwrapped.worker_pids())}
 

@@ -66,12 +66,12 @@ class VectorAdapter(VecEnv):
             info["TimeLimit.truncated"] = bool(truncated[index] and not terminated[index])
         done_ids = np.flatnonzero(dones)
         if done_ids.size:
-            for index in done_ids:
-                infos[index]["terminal_observation"] = take_obs(obs, int(index))
+            for done_id in done_ids.tolist():
+                infos[done_id]["terminal_observation"] = take_obs(obs, done_id)
             reset_obs, reset_infos = self._reset_some(done_ids)
             write_obs(obs, done_ids, reset_obs)
-            for index, reset_info in zip(done_ids, reset_infos, strict=True):
-                self.reset_infos[int(index)] = reset_info
+            for done_id, reset_info in zip(done_ids.tolist(), reset_infos, strict=True):
+                self.reset_infos[done_id] = reset_info
         return obs, np.asarray(rewards, dtype=np.float32), dones, infos
 
     def _options_for_all(self) -> dict[str, Any] | None:
@@ -212,8 +212,9 @@ class GymVectorVecEnv(VectorAdapter):
             if dones[index]:
                 self.reset_infos[index] = infos[index]
                 infos[index] = final_infos[index]
-                infos[index]["terminal_observation"] = final_obs[index]  # type: ignore[index]
             infos[index]["TimeLimit.truncated"] = bool(truncated[index] and not terminated[index])
+            if dones[index]:
+                infos[index]["terminal_observation"] = final_obs[index]  # type: ignore[index]
         return obs, np.asarray(rewards, dtype=np.float32), dones, infos
 
     def _reset_some(self, indices: np.ndarray) -> tuple[Any, list[dict[str, Any]]]:
@@ -248,9 +249,12 @@ class GymVectorVecEnv(VectorAdapter):
         return None
 
     def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
+        envs = self._sub_envs(indices)
+        if envs is not None:
+            return [env.get_wrapper_attr(attr_name) for env in envs]
         ids = list(self._get_indices(indices))
         if self._per_env:
-            values = self.vector_env.get_attr(attr_name)
+            values = self.vector_env.get_attr(attr_name)  # type: ignore[attr-defined]
             return [values[i] for i in ids]
         return [getattr(self.vector_env, attr_name) for _ in ids]
 
@@ -269,7 +273,7 @@ class GymVectorVecEnv(VectorAdapter):
         if envs is not None:
             return [env.get_wrapper_attr(method_name)(*method_args, **method_kwargs) for env in envs]
         if indices is None and self._per_env:
-            return list(self.vector_env.call(method_name, *method_args, **method_kwargs))
+            return list(self.vector_env.call(method_name, *method_args, **method_kwargs))  # type: ignore[attr-defined]
         raise UserError(f"{type(self.vector_env).__name__} cannot call a method of some envs only; pass indices=None")
 
     def env_is_wrapped(self, wrapper_class: type[gym.Wrapper], indices: VecEnvIndices = None) -> list[bool]:

@@ -46,10 +46,12 @@ class BatchedSubprocVecEnv(SubsetSteppingMixin, VecEnv):
     :param n_workers: worker processes; default: one per usable CPU core beyond the main process's own (at least
         one), never more than the envs given to workers
     :param start_method: ``fork``, ``forkserver`` or ``spawn``; default ``forkserver`` where available (as SB3)
-    :param n_local: envs stepped by the main process itself; ``"auto"`` measures one env's step cost and a worker
-        round trip at start-up and picks the fastest split (with ``n_workers`` left at ``None`` this may keep all
-        envs in-process when the env is too cheap for any round trip to pay off)
-    :param spin_us: how long each side busy-polls before it blocks on a semaphore, in microseconds
+    :param n_local: envs stepped by the main process itself; ``"auto"`` times one step of a throw-away env at
+        start-up, rehearses every split with synthetic work of that cost and keeps the fastest (with
+        ``n_workers`` left at ``None`` this may keep all envs in-process, when the env is too cheap or the
+        machine too busy for parallel stepping to pay off); the choice is in ``n_local``, the timings in
+        ``split_times``
+    :param spin_us: how long each side polls (yielding the core) before it blocks on a semaphore, in microseconds
     """
 
     def __init__(

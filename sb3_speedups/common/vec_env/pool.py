@@ -76,7 +76,7 @@ def unlink_semaphore_names(semaphores: list[Any]) -> None:
     registry = getattr(util, "_finalizer_registry", {})
     for finalizer in list(registry.values()):
         callback, args = getattr(finalizer, "_callback", None), getattr(finalizer, "_args", ())
-        if callback is synchronize.SemLock._cleanup and args and args[0] in names:
+        if callback is synchronize.SemLock._cleanup and args and args[0] in names:  # type: ignore[attr-defined]
             finalizer()
 
 
@@ -242,7 +242,8 @@ class WorkerPool:
             length = int(worker.control[PAYLOAD_LEN])
             if length == 0:
                 continue
-            result = pickle.loads(worker.conn.recv_bytes() if length == PAYLOAD_ON_PIPE else worker.payload[:length])
+            data = worker.conn.recv_bytes() if length == PAYLOAD_ON_PIPE else worker.payload[:length].data
+            result = pickle.loads(data)
             if worker.control[STATUS] == ERROR:
                 error = error or result
             else:

@@ -90,6 +90,7 @@ class SubsetSteppingMixin:
                 self._active[worker.first : worker.stop] = False
             self._active[rows] = True
             self._all_active = False
+            remote_actions: Any
             if isinstance(actions, np.ndarray):
                 remote_actions = actions[remote]
             else:
