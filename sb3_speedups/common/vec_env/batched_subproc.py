@@ -32,7 +32,7 @@ from sb3_speedups.common.vec_env.stepping import SubsetSteppingMixin
 from sb3_speedups.common.vec_env.worker import ACTION_DTYPES, ACTION_ITEM_BYTES, ACTIONS_ON_PIPE, CONTROL_SLOTS
 from sb3_speedups.errors import UserError
 
-DEFAULT_SPIN_US = 100.0
+DEFAULT_SPIN_US = 20.0
 PAYLOAD_BYTES = 1 << 20  # per worker; memory is only committed where written, bigger payloads use the pipe
 _CODES = {dtype: code for code, dtype in enumerate(ACTION_DTYPES)}
 
@@ -74,9 +74,13 @@ class BatchedSubprocVecEnv(SubsetSteppingMixin, VecEnv):
         self._shared: SharedArrays | None = None
         self._local: EnvGroup | None = None
         try:
-            self._pool.start(_planned_workers(n_envs, n_workers, n_local, auto))
+            planned = _planned_workers(n_envs, n_workers, n_local, auto)
             if auto:
                 self.step_cost, info_cost = startup.measure_step_cost(env_fns[0])
+                if n_workers is None and not startup.parallel_may_pay(n_envs, planned, self.step_cost, info_cost):
+                    planned, n_local = 0, n_envs
+            self._pool.start(planned)
+            if auto and planned:
                 self.split_times = startup.choose_n_local(
                     self._pool, n_envs, self.step_cost, info_cost, keep_workers=n_workers is not None
                 )

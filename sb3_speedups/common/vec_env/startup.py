@@ -27,6 +27,9 @@ from sb3_speedups.common.vec_env.worker import burn
 LOCAL_ENV_OVERHEAD_S = 1.0e-6
 WORKER_ENV_OVERHEAD_S = 1.5e-6
 WORKER_STEP_OVERHEAD_S = 5.0e-6
+# Fastest go/done exchange seen with a worker on an idle machine (two futex wake-ups): below this no split can
+# gain anything, so the workers are not even started.
+MIN_ROUND_TRIP_S = 15e-6
 REHEARSAL_BUDGET_S = 0.15
 
 
@@ -90,6 +93,29 @@ def units_per_second(repeats: int = 5, units: int = 20_000) -> float:
     return units / max(best, 1e-9)
 
 
+def _plans(n_envs: int, n_workers: int, step_cost: float, info_cost: float, candidates: list[int]) -> dict[int, tuple]:
+    """Seconds of work of the main process and of each worker, per candidate number of envs in the main process."""
+    plans: dict[int, tuple[float, float | None]] = {}
+    for n_local in candidates:
+        main_s = n_local * (step_cost + LOCAL_ENV_OVERHEAD_S)
+        remote = n_envs - n_local
+        worker_s = None
+        if remote:
+            worker_s = WORKER_STEP_OVERHEAD_S + math.ceil(remote / n_workers) * (step_cost + info_cost + WORKER_ENV_OVERHEAD_S)
+        plans[n_local] = (main_s, worker_s)
+    return plans
+
+
+def parallel_may_pay(n_envs: int, n_workers: int, step_cost: float, info_cost: float) -> bool:
+    """
+    :return: whether some split could beat stepping every env in the main process, even with the fastest
+        possible worker round trip (if not, no worker is started)
+    """
+    plans = _plans(n_envs, n_workers, step_cost, info_cost, list(range(n_envs + 1)))
+    best_split = min(max(main_s, MIN_ROUND_TRIP_S + worker_s) for main_s, worker_s in plans.values() if worker_s is not None)
+    return best_split < plans[n_envs][0]
+
+
 def choose_n_local(pool: Any, n_envs: int, step_cost: float, info_cost: float, keep_workers: bool) -> dict[int, float]:
     """
     Rehearse every split with synthetic work and return its mean step time.
@@ -104,14 +130,10 @@ def choose_n_local(pool: Any, n_envs: int, step_cost: float, info_cost: float, k
     n_workers = len(pool.workers)
     candidates = list(range(n_envs - n_workers + 1)) if keep_workers else list(range(n_envs + 1))
     rate = units_per_second()
-    plans = {}
-    for n_local in candidates:
-        main_s = n_local * (step_cost + LOCAL_ENV_OVERHEAD_S)
-        remote = n_envs - n_local
-        worker_s = None
-        if remote:
-            worker_s = WORKER_STEP_OVERHEAD_S + math.ceil(remote / n_workers) * (step_cost + info_cost + WORKER_ENV_OVERHEAD_S)
-        plans[n_local] = (int(main_s * rate), None if worker_s is None else int(worker_s * rate))
+    plans = {
+        k: (int(main_s * rate), None if worker_s is None else int(worker_s * rate))
+        for k, (main_s, worker_s) in _plans(n_envs, n_workers, step_cost, info_cost, candidates).items()
+    }
     predicted = sum(max(m, w or 0) for m, w in plans.values()) / rate
     rounds = int(np.clip(REHEARSAL_BUDGET_S / max(predicted, 1e-9), 5, 40))
     steps = [plans[k] for _ in range(rounds) for k in candidates]
