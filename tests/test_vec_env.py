@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 
 import gymnasium as gym
@@ -13,6 +14,9 @@ from stable_baselines3.common.monitor import Monitor
 from stable_baselines3.common.vec_env import DummyVecEnv
 
 from sb3_speedups import BatchedSubprocVecEnv, make_vec_env
+from sb3_speedups.bench.vec_env import format_summary
+from sb3_speedups.bench.vec_env import main as bench_main
+from sb3_speedups.cli import main
 from sb3_speedups.errors import UserError
 from sb3_speedups.zoo.envs import make_env
 from sb3_speedups.zoo.hyperparams import Hyperparams
@@ -53,15 +57,24 @@ def test_same_as_dummy_for_each_space(obs: str, n_local: int) -> None:
 
 
 def test_auto_split_same_as_dummy() -> None:
-    fns = env_fns(N_ENVS)
+    # A slow env: the split is rehearsed and the fastest one kept (which one depends on the machine's load).
+    fns = env_fns(N_ENVS, delay=1e-4)
     ours = BatchedSubprocVecEnv(fns, start_method="fork")
     try:
+        assert ours.step_cost is not None and ours.step_cost >= 1e-4
         assert set(ours.split_times) == set(range(N_ENVS + 1))
         assert ours.n_local == min(ours.split_times, key=lambda k: (ours.split_times[k], k))
-        assert ours.step_cost is not None and ours.step_cost > 0
-        run_both(ours, DummyVecEnv(fns), n_steps=30)
+        assert len(ours.worker_pids()) == (0 if ours.n_local == N_ENVS else 1)
+        run_both(ours, DummyVecEnv(fns), n_steps=20)
     finally:
         ours.close()
+    # A cheap env: no split could beat stepping in-process, so no worker is even started.
+    cheap = BatchedSubprocVecEnv(env_fns(N_ENVS), start_method="fork")
+    try:
+        assert cheap.n_local == N_ENVS and cheap.worker_pids() == [] and cheap.split_times == {}
+        run_both(cheap, DummyVecEnv(env_fns(N_ENVS)), n_steps=20)
+    finally:
+        cheap.close()
 
 
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
@@ -143,6 +156,7 @@ def test_render_and_images() -> None:
     ref = DummyVecEnv(fns)
     try:
         assert ours.render_mode == "rgb_array"
+        assert ours.metadata == ref.metadata == SpacesEnv.metadata
         for venv in (ours, ref):
             venv.reset()
             venv.step(np.zeros((4, 2), dtype=np.float32))
@@ -294,6 +308,25 @@ def test_make_vec_env_and_zoo_kind() -> None:
         assert infos[0]["TimeLimit.truncated"] is False
     finally:
         zoo_env.close()
+
+
+def test_cli_trains_with_batched_vec_env(tmp_path) -> None:
+    argv = ["train", "--algo", "ppo", "--env", "CartPole-v1", "-n", "128", "--seed", "0", "-f", str(tmp_path)]
+    params = ["-params", "n_envs:4", "n_steps:32", "batch_size:64", "n_epochs:1"]
+    assert main([*argv, "--vec-env", "batched", "--eval-freq", "0", "--no-progress", "--verbose", "0", *params]) == 0
+    assert (tmp_path / "ppo" / "CartPole-v1_1" / "CartPole-v1.zip").exists()
+
+
+def test_vec_env_benchmark_reports_ratios(tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    argv = ["--env", "CartPole-v1", "--kinds", "batched,gym_vector", "--n-envs", "4", "--rounds", "2", "--block-steps", "5"]
+    assert bench_main([*argv, "--start-method", "fork", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["throughput"]
+    assert list(results) == ["dummy", "subproc", "batched", "gym_vector"]
+    assert results["dummy"]["vs_dummy"] == 1.0 and results["subproc"]["vs_subproc"] == 1.0
+    assert all(len(row["block_rates"]) == 2 and row["env_steps_per_s"] > 0 for row in results.values())
+    assert "n_local" in results["batched"]
+    assert "batched" in format_summary("CartPole-v1", results, None)
 
 
 def test_gym_registered_env_by_id_with_workers() -> None:

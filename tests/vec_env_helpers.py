@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, ClassVar
 
 import gymnasium as gym
@@ -48,6 +49,7 @@ class SpacesEnv(gym.Env):
     :param action: ``box`` or ``discrete``
     :param fail_at: raise ``ValueError`` at this step of the first episode
     :param fail_reset: raise ``ValueError`` in ``reset``
+    :param delay: seconds each step sleeps (an env slow enough for workers to pay off)
     """
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": ["rgb_array"], "render_fps": 30}
@@ -59,10 +61,11 @@ class SpacesEnv(gym.Env):
         fail_at: int | None = None,
         fail_reset: bool = False,
         render_mode: str | None = None,
+        delay: float = 0.0,
     ) -> None:
         self.observation_space = OBS_SPACES[obs]
         self.action_space = spaces.Box(-1, 1, (2,), np.float32) if action == "box" else spaces.Discrete(3)
-        self.fail_at, self.fail_reset, self.render_mode = fail_at, fail_reset, render_mode
+        self.fail_at, self.fail_reset, self.render_mode, self.delay = fail_at, fail_reset, render_mode, delay
         self.t = 0
         self.episodes = 0
         self.offset = 0.0
@@ -80,6 +83,8 @@ class SpacesEnv(gym.Env):
 
     def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
         self.t += 1
+        if self.delay:
+            time.sleep(self.delay)
         if self.fail_at is not None and self.t == self.fail_at and self.episodes == 1 and type(self) is SpacesEnv:
             raise ValueError(f"step {self.t} failed on purpose")
         obs = draw(self.observation_space, self.np_random)

@@ -192,9 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     startup = None
     if args.startup_methods:
         methods = args.startup_methods.split(",")
-        startup = measure_startup(
-            args.env, [k for k in kinds if k in PROCESS_KINDS], args.n_envs, methods, args.startup_repeats
-        )
+        timed = [kind for kind in dict.fromkeys(["subproc", *kinds]) if kind in PROCESS_KINDS]
+        startup = measure_startup(args.env, timed, args.n_envs, methods, args.startup_repeats)
     print(format_summary(args.env, throughput, startup))
     if args.out:
         with open(args.out, "w") as file:

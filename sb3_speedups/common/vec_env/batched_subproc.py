@@ -98,6 +98,8 @@ class BatchedSubprocVecEnv(SubsetSteppingMixin, VecEnv):
             raise
         self._init_subsets()
         super().__init__(n_envs, observation_space, action_space)
+        # As DummyVecEnv: the envs' own metadata (render_fps for video recorders, ...)
+        self.metadata = self.get_attr("metadata", indices=[0])[0]
 
     # --- start-up -------------------------------------------------------------------------------------------
     def _make_envs(self, env_fns: list[Callable[[], gym.Env]]) -> tuple[gym.spaces.Space, gym.spaces.Space]:

@@ -22,14 +22,19 @@ from stable_baselines3.common.vec_env.patch_gym import _patch_env
 
 from sb3_speedups.common.vec_env.worker import burn
 
-# Per-env bookkeeping around an env step (buffer writes, info handling), and per-step fixed cost of a worker
-# (control words, action copy, payload read), in seconds; rough values measured on a 2-core EPYC.
+# CPU seconds of the bookkeeping around env steps, measured with CPU accounting on a 2-core EPYC (CartPole, all
+# envs in the main process vs all in one worker): per env stepped in the main process; per env stepped in a
+# worker, on the worker's side; per step with workers, on the worker's side (control words, action copy) and on
+# the main process's side (semaphores, payload, infos), plus per env of the workers on the main process's side.
 LOCAL_ENV_OVERHEAD_S = 1.0e-6
-WORKER_ENV_OVERHEAD_S = 1.5e-6
+WORKER_ENV_OVERHEAD_S = 2.0e-6
 WORKER_STEP_OVERHEAD_S = 5.0e-6
-# Fastest go/done exchange seen with a worker on an idle machine (two futex wake-ups): below this no split can
-# gain anything, so the workers are not even started.
+MAIN_HANDOFF_S = 10.0e-6
+MAIN_PER_REMOTE_ENV_S = 1.0e-6
+# Wake-up latency of a go/done exchange on an idle machine; a split must beat in-process stepping by
+# PARALLEL_GAIN even with it, else the workers are not even started.
 MIN_ROUND_TRIP_S = 15e-6
+PARALLEL_GAIN = 0.8
 REHEARSAL_BUDGET_S = 0.15
 
 
@@ -101,6 +106,7 @@ def _plans(n_envs: int, n_workers: int, step_cost: float, info_cost: float, cand
         remote = n_envs - n_local
         worker_s = None
         if remote:
+            main_s += MAIN_HANDOFF_S + remote * MAIN_PER_REMOTE_ENV_S
             worker_s = WORKER_STEP_OVERHEAD_S + math.ceil(remote / n_workers) * (step_cost + info_cost + WORKER_ENV_OVERHEAD_S)
         plans[n_local] = (main_s, worker_s)
     return plans
@@ -113,7 +119,7 @@ def parallel_may_pay(n_envs: int, n_workers: int, step_cost: float, info_cost: f
     """
     plans = _plans(n_envs, n_workers, step_cost, info_cost, list(range(n_envs + 1)))
     best_split = min(max(main_s, MIN_ROUND_TRIP_S + worker_s) for main_s, worker_s in plans.values() if worker_s is not None)
-    return best_split < plans[n_envs][0]
+    return best_split < PARALLEL_GAIN * plans[n_envs][0]
 
 
 def choose_n_local(pool: Any, n_envs: int, step_cost: float, info_cost: float, keep_workers: bool) -> dict[int, float]:
