@@ -319,14 +319,16 @@ def test_cli_trains_with_batched_vec_env(tmp_path) -> None:
 
 def test_vec_env_benchmark_reports_ratios(tmp_path) -> None:
     out = tmp_path / "bench.json"
-    argv = ["--env", "CartPole-v1", "--kinds", "batched,gym_vector", "--n-envs", "4", "--rounds", "2", "--block-steps", "5"]
-    assert bench_main([*argv, "--start-method", "fork", "--out", str(out)]) == 0
+    argv = ["--env", "CartPole-v1", "--kinds", "batched:n_local=1", "gym_vector", "--n-envs", "4", "--rounds", "2"]
+    assert bench_main([*argv, "--block-steps", "5", "--start-method", "fork", "--out", str(out)]) == 0
     results = json.loads(out.read_text())["throughput"]
-    assert list(results) == ["dummy", "subproc", "batched", "gym_vector"]
+    assert list(results) == ["dummy", "subproc", "batched:n_local=1", "gym_vector"]
     assert results["dummy"]["vs_dummy"] == 1.0 and results["subproc"]["vs_subproc"] == 1.0
     assert all(len(row["block_rates"]) == 2 and row["env_steps_per_s"] > 0 for row in results.values())
-    assert "n_local" in results["batched"]
-    assert "batched" in format_summary("CartPole-v1", results, None)
+    assert results["batched:n_local=1"]["n_local"] == 1 and results["batched:n_local=1"]["n_workers"] == 1
+    assert "batched:n_local=1" in format_summary("CartPole-v1", results, None)
+    with pytest.raises(UserError, match="VecEnv option"):
+        bench_main(["--kinds", "batched:n_local"])
 
 
 def test_gym_registered_env_by_id_with_workers() -> None:

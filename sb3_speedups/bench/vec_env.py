@@ -6,12 +6,13 @@ actions (the order reversed every other round), so a change in machine load hits
 ``DummyVecEnv`` and vs ``SubprocVecEnv`` are medians of per-round ratios. Start-up: each measurement (building
 the VecEnv and its first ``reset``) runs in a fresh process, kinds alternating, per start method.
 
-``python -m sb3_speedups.bench.vec_env --env CartPole-v1 --kinds dummy,subproc,batched,envpool``
+``python -m sb3_speedups.bench.vec_env --env HalfCheetah-v5 --kinds batched batched:n_local=4 envpool``
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import subprocess
@@ -25,22 +26,46 @@ from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_speedups.common.env_util import make_vec_env
 from sb3_speedups.common.vec_env import BatchedSubprocVecEnv
+from sb3_speedups.errors import UserError
 from sb3_speedups.zoo.envs import VEC_ENV_CLASSES, vec_env_class
 
 PROCESS_KINDS = ("subproc", "batched")
 
 
-def make_kind(kind: str, env_id: str, n_envs: int, seed: int = 0, start_method: str | None = None) -> VecEnv:
+def parse_kind(spec: str) -> tuple[str, dict[str, Any]]:
     """
-    :param kind: ``--vec-env`` name
+    :param spec: a ``--vec-env`` name, optionally with constructor options: ``batched:n_local=4,spin_us=0``
+    :return: the name and the options
+    """
+    name, _, options = spec.partition(":")
+    kwargs: dict[str, Any] = {}
+    for item in filter(None, options.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UserError(f"bad VecEnv option {item!r} in {spec!r}; write name:key=value,key=value")
+        try:
+            kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kwargs[key] = value
+    if name not in VEC_ENV_CLASSES:
+        raise UserError(f"unknown VecEnv kind {name!r}; choose from: {', '.join(VEC_ENV_CLASSES)}")
+    return name, kwargs
+
+
+def make_kind(spec: str, env_id: str, n_envs: int, seed: int = 0, start_method: str | None = None) -> VecEnv:
+    """
+    :param spec: ``--vec-env`` name, optionally with options (see :func:`parse_kind`)
     :param env_id: gymnasium id
     :param n_envs: number of envs
     :param seed: base seed
     :param start_method: start method of the process-based kinds (``None``: their default)
     :return: the VecEnv, built as ``make_vec_env`` builds it for training (Monitor / VecMonitor included)
     """
+    kind, kwargs = parse_kind(spec)
     method = start_method if kind in PROCESS_KINDS else None
-    return make_vec_env(env_id, n_envs=n_envs, seed=seed, vec_env_cls=vec_env_class(kind), start_method=method)
+    return make_vec_env(
+        env_id, n_envs=n_envs, seed=seed, vec_env_cls=vec_env_class(kind), start_method=method, vec_env_kwargs=kwargs
+    )
 
 
 def random_actions(action_space: gym.spaces.Space, n_envs: int, n_steps: int, seed: int = 0) -> np.ndarray:
@@ -61,7 +86,7 @@ def measure_throughput(
 ) -> dict[str, Any]:
     """
     :param env_id: gymnasium id
-    :param kinds: ``--vec-env`` names (``dummy`` and ``subproc`` are added as references)
+    :param kinds: ``--vec-env`` names, optionally with options (``dummy`` and ``subproc`` are added as references)
     :param n_envs: number of envs
     :param block_steps: VecEnv steps per timed block
     :param rounds: blocks per kind
@@ -70,8 +95,12 @@ def measure_throughput(
     :return: per kind: median env-steps/s, median ratios vs ``dummy`` and ``subproc``, all block rates
     """
     kinds = list(dict.fromkeys(["dummy", "subproc", *kinds]))
-    envs = {kind: make_kind(kind, env_id, n_envs, seed, start_method) for kind in kinds}
+    for kind in kinds:
+        parse_kind(kind)  # bad specs fail before anything is started
+    envs: dict[str, VecEnv] = {}
     try:
+        for kind in kinds:
+            envs[kind] = make_kind(kind, env_id, n_envs, seed, start_method)
         actions = random_actions(envs["dummy"].action_space, n_envs, block_steps, seed)
         rates: dict[str, list[float]] = {kind: [] for kind in kinds}
         for env in envs.values():
@@ -156,10 +185,10 @@ def measure_startup(env_id: str, kinds: list[str], n_envs: int, start_methods: l
 def format_summary(env_id: str, throughput: dict[str, Any], startup: dict[str, Any] | None) -> str:
     """:return: a plain-text table of the results"""
     lines = [f"{env_id}: env-steps/s with random actions (medians over alternating blocks)"]
-    lines.append(f"{'kind':12s} {'steps/s':>10s} {'vs dummy':>9s} {'vs subproc':>11s}  split")
+    lines.append(f"{'kind':22s} {'steps/s':>10s} {'vs dummy':>9s} {'vs subproc':>11s}  split")
     for kind, row in throughput.items():
         split = f"n_local={row['n_local']} workers={row['n_workers']}" if "n_local" in row else ""
-        lines.append(f"{kind:12s} {row['env_steps_per_s']:10.0f} {row['vs_dummy']:8.2f}x {row['vs_subproc']:10.2f}x  {split}")
+        lines.append(f"{kind:22s} {row['env_steps_per_s']:10.0f} {row['vs_dummy']:8.2f}x {row['vs_subproc']:10.2f}x  {split}")
     for method, rows in (startup or {}).items():
         lines.append(f"start-up ({method}): " + ", ".join(f"{kind} {row['median_s']:.2f}s" for kind, row in rows.items()))
     return "\n".join(lines)
@@ -170,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--env", default="CartPole-v1", help="gymnasium id")
     parser.add_argument(
-        "--kinds", default="dummy,subproc,batched", help=f"comma-separated, from: {', '.join(VEC_ENV_CLASSES)}"
+        "--kinds",
+        nargs="+",
+        default=["batched"],
+        help=f"from: {', '.join(VEC_ENV_CLASSES)}; options as batched:n_local=4,spin_us=0 (dummy, subproc always run)",
     )
     parser.add_argument("--n-envs", type=int, default=8)
     parser.add_argument("--block-steps", type=int, default=100, help="VecEnv steps per timed block")
@@ -185,14 +217,14 @@ def main(argv: list[str] | None = None) -> int:
         kind, method, env_id, n_envs = args.startup_child
         _startup_child(kind, env_id, int(n_envs), method)
         return 0
-    kinds = [kind for kind in args.kinds.split(",") if kind]
+    kinds = list(args.kinds)
     throughput = measure_throughput(
         args.env, kinds, args.n_envs, args.block_steps, args.rounds, start_method=args.start_method
     )
     startup = None
     if args.startup_methods:
         methods = args.startup_methods.split(",")
-        timed = [kind for kind in dict.fromkeys(["subproc", *kinds]) if kind in PROCESS_KINDS]
+        timed = [kind for kind in dict.fromkeys(["subproc", *kinds]) if parse_kind(kind)[0] in PROCESS_KINDS]
         startup = measure_startup(args.env, timed, args.n_envs, methods, args.startup_repeats)
     print(format_summary(args.env, throughput, startup))
     if args.out:

@@ -76,16 +76,18 @@ class BatchedSubprocVecEnv(SubsetSteppingMixin, VecEnv):
         try:
             planned = _planned_workers(n_envs, n_workers, n_local, auto)
             if auto:
-                self.step_cost, info_cost = startup.measure_step_cost(env_fns[0])
-                if n_workers is None and not startup.parallel_may_pay(n_envs, planned, self.step_cost, info_cost):
-                    planned, n_local = 0, n_envs
+                step_cost, info_cost = startup.measure_step_cost(env_fns[0])
+                self.step_cost = step_cost
+                if n_workers is None and not startup.parallel_may_pay(n_envs, planned, step_cost, info_cost):
+                    planned = 0
             self._pool.start(planned)
-            if auto and planned:
-                self.split_times = startup.choose_n_local(
-                    self._pool, n_envs, self.step_cost, info_cost, keep_workers=n_workers is not None
-                )
-                # Ties go to more envs in workers: the main process also runs the policy.
-                n_local = min(self.split_times, key=lambda k: (self.split_times[k], k))
+            if auto:
+                n_local = n_envs
+                if planned:
+                    keep = n_workers is not None
+                    self.split_times = startup.choose_n_local(self._pool, n_envs, step_cost, info_cost, keep_workers=keep)
+                    # Ties go to more envs in workers: the main process also runs the policy.
+                    n_local = min(self.split_times, key=lambda k: (self.split_times[k], k))
             self.n_local = int(n_local)
             if self.n_local == n_envs and self._pool.workers:
                 self._pool.close()
