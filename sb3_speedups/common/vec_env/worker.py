@@ -36,7 +36,9 @@ OK, ERROR = 0, 1
 # PAYLOAD_LEN when the payload did not fit in the payload row and was sent through the pipe instead
 PAYLOAD_ON_PIPE = -1
 # ACTION_DTYPE: index into ACTION_DTYPES, or ACTIONS_ON_PIPE for actions that shared memory cannot carry
-ACTION_DTYPES: tuple[np.dtype, ...] = tuple(np.dtype(code) for code in "?bBhHiIlLqQefd")
+ACTION_DTYPES: tuple[np.dtype, ...] = tuple(
+    np.dtype(name) for name in ("?", "i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8", "f2", "f4", "f8")
+)
 ACTIONS_ON_PIPE = -1
 ACTION_ITEM_BYTES = 8  # the widest ACTION_DTYPES item: the actions array is sized for it
 
