@@ -12,11 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from stable_baselines3.common.vec_env import DummyVecEnv
 
 from sb3_speedups import BatchedSubprocVecEnv
 from sb3_speedups.common.vec_env import RemoteTraceback, WorkerDiedError
+from sb3_speedups.errors import UserError
 from tests.helpers import REPO_ROOT, subprocess_env
-from tests.vec_env_helpers import KillSelfEnv, UnpicklableErrorEnv, env_fns
+from tests.vec_env_helpers import KillSelfEnv, UnpicklableErrorEnv, assert_same_step, env_fns
 
 ACTIONS = np.zeros((4, 2), dtype=np.float32)
 
@@ -185,6 +187,41 @@ def test_close_leaves_nothing_after_errors() -> None:
     venv.step_async(ACTIONS)  # a pending step is finished by close
     venv.close()
     assert_nothing_left(venv, pids, sems)
+
+
+def test_interrupted_step_keeps_the_protocol_in_step() -> None:
+    fns = env_fns(2, per_env={"delay": [0.0, 0.5]})
+    venv = BatchedSubprocVecEnv(fns, n_workers=1, start_method="fork", n_local=1)
+    ref = DummyVecEnv(fns)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        venv.seed(1)
+        ref.seed(1)
+        venv.reset()
+        ref.reset()
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(KeyboardInterrupt):
+            venv.step(ACTIONS[:2])  # interrupted while the worker's env sleeps in its step
+        ref.step(ACTIONS[:2])
+        # The late answer of the interrupted step is taken first, not mistaken for the next step's.
+        assert_same_step(venv.step(ACTIONS[:2]), ref.step(ACTIONS[:2]))
+        assert venv.get_attr("t") == ref.get_attr("t")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        venv.close()
+
+
+def test_same_env_object_twice_is_refused() -> None:
+    from tests.vec_env_helpers import SpacesEnv
+
+    env = SpacesEnv()
+    with pytest.raises(UserError, match="same env object"):
+        BatchedSubprocVecEnv([lambda: env, lambda: env, SpacesEnv], n_workers=1, start_method="fork", n_local=2)
 
 
 @pytest.mark.parametrize("start_method", ["fork", "forkserver"])

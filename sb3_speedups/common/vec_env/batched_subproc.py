@@ -120,6 +120,11 @@ class BatchedSubprocVecEnv(SubsetSteppingMixin, VecEnv):
                 env.close()
             pool.replies_quietly(pool.workers)
             raise
+        if len({id(env.unwrapped) for env in self._local_envs}) != len(self._local_envs):
+            for env in self._local_envs:
+                env.close()
+            pool.replies_quietly(pool.workers)
+            raise UserError("env_fns returned the same env object twice; each function must create a new env (gym.make)")
         pool.replies(pool.workers)
         # Every worker has answered, so it has opened its semaphores: their names are no longer needed.
         unlink_semaphore_names([sem for worker in pool.workers for sem in (worker.go, worker.done)])

@@ -44,6 +44,10 @@ class SubsetSteppingMixin:
     def _check_idle(self, what: str) -> None:
         if self.waiting or self._pending_subsets:
             raise UserError(f"{what} called while a step is pending; call step_wait (or step_wait_indices) first")
+        # A step whose wait was interrupted (Ctrl+C) still has its answer coming: take it before the next command.
+        stale = [worker for worker in self._pool.workers if worker.pending]
+        if stale:
+            self._pool.finish_quietly(stale)
 
     def halves(self) -> tuple[np.ndarray, np.ndarray]:
         """
