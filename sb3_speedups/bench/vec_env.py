@@ -185,10 +185,10 @@ def measure_startup(env_id: str, kinds: list[str], n_envs: int, start_methods: l
 def format_summary(env_id: str, throughput: dict[str, Any], startup: dict[str, Any] | None) -> str:
     """:return: a plain-text table of the results"""
     lines = [f"{env_id}: env-steps/s with random actions (medians over alternating blocks)"]
-    lines.append(f"{'kind':22s} {'steps/s':>10s} {'vs dummy':>9s} {'vs subproc':>11s}  split")
+    lines.append(f"{'kind':30s} {'steps/s':>10s} {'vs dummy':>9s} {'vs subproc':>11s}  split")
     for kind, row in throughput.items():
         split = f"n_local={row['n_local']} workers={row['n_workers']}" if "n_local" in row else ""
-        lines.append(f"{kind:22s} {row['env_steps_per_s']:10.0f} {row['vs_dummy']:8.2f}x {row['vs_subproc']:10.2f}x  {split}")
+        lines.append(f"{kind:30s} {row['env_steps_per_s']:10.0f} {row['vs_dummy']:8.2f}x {row['vs_subproc']:10.2f}x  {split}")
     for method, rows in (startup or {}).items():
         lines.append(f"start-up ({method}): " + ", ".join(f"{kind} {row['median_s']:.2f}s" for kind, row in rows.items()))
     return "\n".join(lines)

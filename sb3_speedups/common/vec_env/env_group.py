@@ -9,6 +9,7 @@ the infos that carry something beyond ``TimeLimit.truncated=False`` are returned
 from __future__ import annotations
 
 import traceback
+from copy import deepcopy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -79,21 +80,24 @@ def error_record(exc: BaseException) -> ErrorRecord:
     return exc, summary, text
 
 
-def _is_plain(value: Any) -> bool:
-    return isinstance(value, (bool, int, float, str, bytes, np.number, np.bool_)) or value is None
+# Immutable value types: an info made of these only needs a shallow copy (MuJoCo envs return such infos every step).
+_PLAIN_TYPES = frozenset(
+    {bool, int, float, complex, str, bytes, type(None)} | {np.dtype(code).type for code in "?bBhHiIlLqQefdgFD"}
+)
 
 
 def detach_info(info: dict[str, Any]) -> dict[str, Any]:
     """
     A copy of ``info`` that shares nothing mutable with the env (what ``DummyVecEnv``'s deepcopy guarantees),
-    copying only the values that need it.
+    deep-copying only the values that need it.
 
     :param info: an info dict returned by an env
     :return: the copy
     """
-    from copy import deepcopy
-
-    return {key: value if _is_plain(value) else deepcopy(value) for key, value in info.items()}
+    plain = _PLAIN_TYPES
+    if all(type(value) in plain for value in info.values()):
+        return info.copy()
+    return {key: value if type(value) in plain else deepcopy(value) for key, value in info.items()}
 
 
 class EnvGroup:
