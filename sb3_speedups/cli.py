@@ -13,6 +13,7 @@ from typing import Any
 
 from sb3_speedups.errors import UserError
 from sb3_speedups.registry import ALGOS
+from sb3_speedups.tune.cli_args import add_tune_arguments, run_tune
 
 Command = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int], str]
 
@@ -102,6 +103,7 @@ def run_enjoy(args: argparse.Namespace) -> int:
 COMMANDS: dict[str, Command] = {
     "train": (add_train_arguments, run_train, "train an agent with RL-Zoo-format hyperparameters"),
     "enjoy": (add_enjoy_arguments, run_enjoy, "evaluate a trained agent"),
+    "tune": (add_tune_arguments, run_tune, "search hyperparameters with Optuna (pruning, worker processes, shared studies)"),
 }
 
 
