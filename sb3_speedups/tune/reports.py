@@ -62,7 +62,12 @@ def write_trials_csv(study: optuna.Study, path: Path) -> Path:
             t.number, t.state.name, "" if t.value is None else t.value, t.user_attrs.get("return_std", ""), duration,
             t.user_attrs.get("worker", ""), t.user_attrs.get("error", ""), *[t.params.get(name, "") for name in param_names],
         ])  # fmt: skip
-    return atomic_write(path, lambda tmp: tmp.write_text(out.getvalue()))
+    text = out.getvalue()
+
+    def write(tmp: Path) -> None:
+        tmp.write_text(text)
+
+    return atomic_write(path, write)
 
 
 def plot_history(study: optuna.Study, path: Path) -> Path | None:
@@ -77,7 +82,8 @@ def plot_history(study: optuna.Study, path: Path) -> Path | None:
     ax = fig.subplots()
     for state, marker, color in ((TrialState.COMPLETE, "o", "tab:blue"), (TrialState.PRUNED, "x", "tab:gray")):
         chosen = [t for t in trials if t.state == state]
-        ax.scatter([t.number for t in chosen], [t.value for t in chosen], marker=marker, color=color, label=state.name.lower())
+        values = [float(t.value or 0.0) for t in chosen]
+        ax.scatter([t.number for t in chosen], values, marker=marker, color=color, label=state.name.lower())
     complete = sorted((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: t.number)
     best, xs, ys = -math.inf, [], []
     for t in complete:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 import warnings
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from optuna.pruners import BasePruner, MedianPruner, NopPruner, SuccessiveHalvin
 from optuna.samplers import BaseSampler, CmaEsSampler, RandomSampler, TPESampler
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend
+from sqlalchemy.exc import ArgumentError
 
 from sb3_speedups.errors import UserError
 from sb3_speedups.tune import PRUNERS, SAMPLERS
@@ -19,6 +21,7 @@ DEFAULT_STORAGE_FILE = "study.db"
 # A trial whose process died without a word (kill -9, power loss) is failed after this long without a heartbeat.
 HEARTBEAT_INTERVAL_S = 30
 GRACE_PERIOD_S = 120
+STORAGE_ATTEMPTS = 3
 _SQLITE_SUFFIXES = (".db", ".sqlite", ".sqlite3")
 
 
@@ -63,18 +66,26 @@ def open_storage(url: str) -> BaseStorage:
         engine_kwargs["connect_args"] = {"timeout": 60}
     else:
         engine_kwargs["pool_pre_ping"] = True
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats are stable in practice
-            return RDBStorage(
-                url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_INTERVAL_S, grace_period=GRACE_PERIOD_S
-            )
-    except ModuleNotFoundError as exc:
-        extra = " (pip install 'sb3-speedups[postgres]')" if "psycopg" in str(exc) else ""
-        raise UserError(f"cannot open storage {_redact(url)}: missing driver {exc.name}{extra}") from None
-    except Exception as exc:  # sqlalchemy's errors: bad URL, server down, authentication
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"cannot open storage {_redact(url)}: {first_line}; check the URL and that the server runs") from None
+    for attempt in range(STORAGE_ATTEMPTS):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats are stable in practice
+                return RDBStorage(
+                    url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_INTERVAL_S, grace_period=GRACE_PERIOD_S
+                )
+        except ModuleNotFoundError as exc:
+            extra = " (pip install 'sb3-speedups[postgres]')" if "psycopg" in str(exc) else ""
+            raise UserError(f"cannot open storage {_redact(url)}: missing driver {exc.name}{extra}") from None
+        except Exception as exc:  # sqlalchemy's errors: bad URL, server down, authentication, a concurrent set-up
+            if attempt + 1 < STORAGE_ATTEMPTS and not isinstance(exc, (ValueError, ImportError, ArgumentError)):
+                # processes starting together on a new database race to create its tables: the loser retries
+                time.sleep(1.0 + attempt)
+                continue
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(
+                f"cannot open storage {_redact(url)}: {first_line}; check the URL and that the server runs"
+            ) from None
+    raise AssertionError("unreachable")
 
 
 def _redact(url: str) -> str:

@@ -109,7 +109,7 @@ class EvalReportCallback(BaseCallback):
         mean_return, _ = evaluate_policy(
             self.model, self.eval_env, n_eval_episodes=self.n_eval_episodes, deterministic=self.deterministic, warn=False
         )
-        mean_return = float(mean_return)
+        mean_return = float(mean_return)  # type: ignore[arg-type]  # a float unless return_episode_rewards
         if not math.isfinite(mean_return):
             raise FloatingPointError(f"evaluation return is {mean_return} after {self.num_timesteps} steps")
         self.returns.append(mean_return)
