@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import time
 import warnings
@@ -59,6 +60,7 @@ def open_storage(url: str) -> BaseStorage:
     if "://" not in url:
         Path(url).parent.mkdir(parents=True, exist_ok=True)
         return JournalStorage(JournalFileBackend(url))
+    url = _with_postgres_driver(url)
     engine_kwargs: dict = {}
     if url.startswith("sqlite:"):
         Path(url.partition(":///")[2]).parent.mkdir(parents=True, exist_ok=True)
@@ -73,9 +75,10 @@ def open_storage(url: str) -> BaseStorage:
                 return RDBStorage(
                     url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_INTERVAL_S, grace_period=GRACE_PERIOD_S
                 )
-        except ModuleNotFoundError as exc:
-            extra = " (pip install 'sb3-speedups[postgres]')" if "psycopg" in str(exc) else ""
-            raise UserError(f"cannot open storage {_redact(url)}: missing driver {exc.name}{extra}") from None
+        except ImportError as exc:
+            cause = exc.__cause__ if isinstance(exc.__cause__, ImportError) else exc
+            extra = " (pip install 'sb3-speedups[postgres]')" if url.startswith("postgresql") else ""
+            raise UserError(f"cannot open storage {_redact(url)}: missing database driver {cause.name}{extra}") from None
         except Exception as exc:  # sqlalchemy's errors: bad URL, server down, authentication, a concurrent set-up
             if attempt + 1 < STORAGE_ATTEMPTS and not isinstance(exc, (ValueError, ImportError, ArgumentError)):
                 # processes starting together on a new database race to create its tables: the loser retries
@@ -86,6 +89,17 @@ def open_storage(url: str) -> BaseStorage:
                 f"cannot open storage {_redact(url)}: {first_line}; check the URL and that the server runs"
             ) from None
     raise AssertionError("unreachable")
+
+
+def _with_postgres_driver(url: str) -> str:
+    """A bare ``postgresql://`` means SQLAlchemy's default driver, which depends on its version: name one that is here."""
+    scheme, sep, rest = url.partition("://")
+    if scheme not in ("postgresql", "postgres"):
+        return url
+    for module, driver in (("psycopg", "psycopg"), ("psycopg2", "psycopg2")):
+        if importlib.util.find_spec(module) is not None:
+            return f"postgresql+{driver}{sep}{rest}"
+    return url
 
 
 def _redact(url: str) -> str:

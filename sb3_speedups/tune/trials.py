@@ -16,6 +16,7 @@ import numpy as np
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from sb3_speedups.errors import UserError
 from sb3_speedups.tune import reports
 from sb3_speedups.tune.config import TunePlan
 from sb3_speedups.tune.search_space import merge_hyperparams
@@ -158,3 +159,6 @@ def worker_process_main(worker: int, plan: TunePlan, slots: TrialSlots) -> None:
         run_worker(worker, plan, slots)
     except KeyboardInterrupt:
         sys.exit(130)
+    except UserError as exc:
+        print(f"sb3-speedups tune: worker {worker}: error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)

@@ -6,6 +6,7 @@ come from the YAML file and ``-params`` exactly as in ``train``, and the sampled
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -185,6 +186,9 @@ def _print_header(plan: TunePlan, study: optuna.Study, remaining: int) -> None:
         f"sampler {config.sampler}, pruner {config.pruner}, {len(plan.eval_points)} evaluations per trial"
     )
     print(f"Study {plan.study_name!r} in {describe_storage(plan.storage)}; seed {plan.seed}", flush=True)
+    processes, cores = config.n_jobs * config.trial_seeds, os.cpu_count() or 1
+    if processes > cores:
+        print(f"Note: {processes} training processes on {cores} CPU cores share them (fewer --n-jobs may be as fast)")
 
 
 def tune(config: TuneConfig) -> TuneResult:
@@ -209,7 +213,10 @@ def tune(config: TuneConfig) -> TuneResult:
             _run_in_process(plan, TrialSlots(remaining))
         elif remaining > 0:
             n_jobs = min(config.n_jobs, remaining)
-            run_worker_processes(n_jobs, worker_process_main, (plan, TrialSlots(remaining, shared=True)))
+            codes = run_worker_processes(n_jobs, worker_process_main, (plan, TrialSlots(remaining, shared=True)))
+            for worker, code in enumerate(codes):
+                if code != 0:
+                    print(f"Worker {worker} ended with exit code {code}; its error is printed above", file=sys.stderr)
     except KeyboardInterrupt:
         interrupted = True
         print("Interrupted: running trials are marked failed; run the same command again to continue", file=sys.stderr)
