@@ -113,14 +113,19 @@ def test_same_seed_repeats_the_sequence_on_sqlite_and_journal(tmp_path: Path) ->
     assert [t.user_attrs["seeds"] for t in a.trials] == [[7], [1007], [2007]]
 
 
-def test_trial_seeds_objective_is_the_mean(tmp_path: Path) -> None:
-    space = write_space(tmp_path / "space.yml", {"learning_rate": [1e-3]})
-    args = [*FAST, "--n-trials", "1", "--seed", "3", "--trial-seeds", "2", "--search-space", space, "--no-plots"]
-    assert main(["tune", *args, "-f", str(tmp_path)]) == 0
-    (trial,) = load(tmp_path, "ppo_CartPole-v1").trials
+def test_trial_seeds_objective_is_the_mean_and_a_failing_seed_fails_the_trial(tmp_path: Path) -> None:
+    # with this seed the random sampler draws the NaN-making learning rate twice, then the good one: the seed
+    # helper process fails, is drained, and serves the next trial
+    space = write_space(tmp_path / "space.yml", {"learning_rate": [1e30, 1e-3]})
+    args = [*FAST, "--n-trials", "3", "--seed", "6", "--sampler", "random", "--trial-seeds", "2", "--search-space", space]
+    assert main(["tune", *args, "--no-plots", "-f", str(tmp_path)]) == 0
+    study = load(tmp_path, "ppo_CartPole-v1")
+    assert states(study) == ["FAIL", "FAIL", "COMPLETE"]
+    assert all("ValueError" in t.user_attrs["error"] for t in study.trials[:2])
+    trial = study.trials[2]
     returns = trial.user_attrs["seed_returns"]
     assert len(returns) == 2 and trial.value == pytest.approx(sum(returns) / 2)
-    assert trial.user_attrs["seeds"] == [3, 4] and len(trial.intermediate_values) == 2
+    assert trial.user_attrs["seeds"] == [2006, 2007] and len(trial.intermediate_values) == 2
     assert trial.user_attrs["return_std"] == pytest.approx(abs(returns[0] - returns[1]) / 2)
 
 
