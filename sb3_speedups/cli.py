@@ -100,9 +100,59 @@ def run_enjoy(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``bench``."""
+    from sb3_speedups.bench.worker import VARIANTS
+    from sb3_speedups.zoo.envs import VEC_ENV_CLASSES
+
+    parser.add_argument("--algo", required=True, help=f"algorithm: {', '.join(ALGOS)}")
+    parser.add_argument("--env", required=True, help="gymnasium environment id")
+    parser.add_argument("-n", "--n-timesteps", type=int, default=-1, help="budget per run (default: the YAML's)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (every variant runs each)")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["ours", "stock"],
+        choices=VARIANTS,
+        help="ours: our class; stock: stock class, torch defaults; stock-1t: stock, 1 thread + fused Adam",
+    )
+    parser.add_argument("-conf", "--conf-file", default=None, help="hyperparameters file of every variant")
+    parser.add_argument("--ours-conf-file", default=None, help="a different hyperparameters file for ours only")
+    parser.add_argument("-params", "--hyperparams", nargs="+", default=[], metavar="KEY:VALUE", help="overrides")
+    parser.add_argument("--vec-env", default="dummy", choices=list(VEC_ENV_CLASSES), help="VecEnv of the training env")
+    parser.add_argument("--eval-episodes", type=int, default=10, help="episodes of the final evaluation")
+    parser.add_argument("--curve-points", type=int, default=5, help="evaluations during training (clock paused)")
+    parser.add_argument("--target-return", type=float, default=None, help="time-to-target mode: stop at this return")
+    parser.add_argument("--device", default="cpu", help="torch device")
+    parser.add_argument("--out-dir", default="bench_results", help="folder of the JSON and PNG results")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per run before it is killed")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """``bench``: ours vs stock, alternating, each run in a fresh process."""
+    from sb3_speedups.bench.core import BenchConfig, run_benchmark
+    from sb3_speedups.bench.report import format_table
+    from sb3_speedups.zoo.hyperparams import parse_overrides
+    from sb3_speedups.zoo.train import prepare_experiment, TrainConfig
+
+    prepare_experiment(TrainConfig(algo=args.algo, env_id=args.env, conf_file=args.conf_file))  # fail fast on bad input
+    config = BenchConfig(
+        algo=args.algo, env_id=args.env, n_timesteps=args.n_timesteps, seeds=args.seeds, variants=args.variants,
+        conf_file=args.conf_file, ours_conf_file=args.ours_conf_file, hyperparams=parse_overrides(args.hyperparams),
+        vec_env=args.vec_env, eval_episodes=args.eval_episodes, curve_points=args.curve_points,
+        target_return=args.target_return, out_dir=args.out_dir, device=args.device,
+    )  # fmt: skip
+    print(f"Benchmark {args.algo} on {args.env}: variants {args.variants}, seeds {args.seeds}")
+    result = run_benchmark(config, timeout=args.timeout)
+    print(format_table(result["summary"], target=args.target_return is not None))
+    print(f"Results: {result['json']}" + (f", plot: {result['png']}" if result["png"] else ""))
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "train": (add_train_arguments, run_train, "train an agent with RL-Zoo-format hyperparameters"),
     "enjoy": (add_enjoy_arguments, run_enjoy, "evaluate a trained agent"),
+    "bench": (add_bench_arguments, run_bench, "benchmark ours against stock SB3 on the same config and seeds"),
     "tune": (add_tune_arguments, run_tune, "search hyperparameters with Optuna (pruning, worker processes, shared studies)"),
 }
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from stable_baselines3.common.evaluation import evaluate_policy
+
+from stable_baselines3.common.base_class import BaseAlgorithm
 
 from sb3_speedups.errors import UserError
+from sb3_speedups.zoo.evaluation import evaluate
 from sb3_speedups.registry import get_algo
 from sb3_speedups.zoo import runs
 from sb3_speedups.zoo.envs import check_env_id, is_atari, make_env
@@ -84,10 +86,9 @@ def enjoy(config: EnjoyConfig) -> EnjoyResult:
     stats = run_dir / ("best_vecnormalize.pkl" if config.load_best else runs.VECNORMALIZE_FILE)
     env = make_env(config.env_id, hyperparams, 1, config.seed, eval_env=True, normalize_stats=stats)
     try:
-        model = spec.cls(stock=config.stock).load(model_path, env=env, device=config.device)
-        mean_return, std_return = evaluate_policy(
-            model, env, n_eval_episodes=config.n_episodes, deterministic=config.deterministic
-        )
+        algo_cls: type[BaseAlgorithm] = spec.cls(stock=config.stock)
+        model = algo_cls.load(model_path, env=env, device=config.device)
+        mean_return, std_return = evaluate(model, env, config.n_episodes, config.deterministic)
     finally:
         env.close()
     print(f"{model_path}: mean return over {config.n_episodes} episodes: {mean_return:.2f} +/- {std_return:.2f}")

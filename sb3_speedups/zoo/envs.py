@@ -133,7 +133,7 @@ def make_env(
         env_kwargs={"env_id": env_id, **hyperparams.env_kwargs},
         monitor_dir=None if monitor_dir is None else str(monitor_dir),
         wrapper_class=WrapperChain(hyperparams.env_wrappers) if hyperparams.env_wrappers else None,
-        vec_env_cls=vec_env_class(vec_env),
+        vec_env_cls=vec_env_class(vec_env),  # type: ignore[arg-type]
         vec_env_kwargs=vec_env_kwargs,
         monitor_kwargs=hyperparams.monitor_kwargs,
     )

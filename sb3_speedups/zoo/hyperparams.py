@@ -12,6 +12,7 @@ import ast
 import difflib
 import importlib
 import importlib.resources
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,18 @@ def bundled_hyperparams_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "hyperparams"
 
 
+def rl_zoo_hyperparams_dir() -> Path | None:
+    """
+    :return: the RL Zoo's ``hyperparams/`` folder when ``rl_zoo3`` is installed, found without importing it
+        (importing ``rl_zoo3`` patches gymnasium's ``TimeLimit`` for the whole process)
+    """
+    spec = importlib.util.find_spec("rl_zoo3")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(next(iter(spec.submodule_search_locations))) / "hyperparams"
+    return folder if folder.is_dir() else None
+
+
 def default_hyperparams_file(algo: str) -> Path:
     """
     :param algo: RL-Zoo algorithm name
@@ -51,12 +64,9 @@ def default_hyperparams_file(algo: str) -> Path:
     ours = bundled_hyperparams_dir() / f"{algo}.yml"
     if ours.is_file():
         return ours
-    try:
-        zoo = importlib.resources.files("rl_zoo3") / "hyperparams" / f"{algo}.yml"
-        if zoo.is_file():
-            return Path(str(zoo))
-    except ModuleNotFoundError:
-        pass
+    zoo = rl_zoo_hyperparams_dir()
+    if zoo is not None and (zoo / f"{algo}.yml").is_file():
+        return zoo / f"{algo}.yml"
     raise UserError(f"no bundled hyperparameters for {algo!r}; pass --conf-file with an RL-Zoo-format YAML file")
 
 

@@ -14,13 +14,13 @@ import numpy as np
 from gymnasium import spaces
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback, EvalCallback
-from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.noise import NormalActionNoise, OrnsteinUhlenbeckActionNoise
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize, sync_envs_normalization
 
 from sb3_speedups.common.save_util import save_model, save_vecnormalize
 from sb3_speedups.common.torch_utils import apply_num_threads
 from sb3_speedups.errors import UserError
+from sb3_speedups.zoo.evaluation import evaluate
 from sb3_speedups.registry import get_algo
 from sb3_speedups.zoo import runs
 from sb3_speedups.zoo.callbacks import AtomicCheckpointCallback, SaveBestModelCallback
@@ -159,7 +159,7 @@ def create_model(experiment: Experiment, env: VecEnv) -> BaseAlgorithm:
     noise = make_action_noise(experiment.hyperparams, env)
     if noise is not None:
         kwargs["action_noise"] = noise
-    common = {"seed": experiment.seed, "device": config.device, "verbose": config.verbose}
+    common: dict[str, Any] = {"seed": experiment.seed, "device": config.device, "verbose": config.verbose}
     if config.tensorboard_log:
         common["tensorboard_log"] = config.tensorboard_log
     try:
@@ -250,7 +250,7 @@ def train(config: TrainConfig) -> TrainResult:
         if interrupted:
             return TrainResult(run_dir, model_path, float("nan"), float("nan"), interrupted=True)
         sync_envs_normalization(env, eval_env)
-        mean_return, std_return = evaluate_policy(model, eval_env, n_eval_episodes=config.eval_episodes, deterministic=True)
+        mean_return, std_return = evaluate(model, eval_env, config.eval_episodes, True)
     finally:
         _close_quietly(env)
         _close_quietly(eval_env)

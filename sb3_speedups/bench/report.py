@@ -1,0 +1,70 @@
+"""Tables and plots of benchmark results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def format_table(summary: dict[str, Any], target: bool = False) -> str:
+    """
+    :param summary: :func:`~sb3_speedups.bench.core.summarize` output
+    :param target: time-to-target mode
+    :return: a Markdown table, one row per variant
+    """
+    time_key, time_name = ("median_time_to_target", "median time to target (s)") if target else (
+        "median_learn_seconds", "median learn() (s)")  # fmt: skip
+    header = f"| variant | class | threads | {time_name} | speed-up of ours | steps/s | final returns | peak RSS (MB) |"
+    if target:
+        header += " success |"
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for variant, stats in summary["variants"].items():
+        speedup = "1.00x" if variant == "ours" else f"{summary['speedup'].get(variant, float('nan')):.2f}x"
+        returns = ", ".join(f"{r:.0f}" for r in stats["final_returns"])
+        name = stats["class"].rsplit(".", 1)[-1]
+        row = (
+            f"| {variant} | {name} | {stats['num_threads']} | {stats[time_key]:.2f} | {speedup} | "
+            f"{stats['median_steps_per_second']:.0f} | {returns} | {stats['median_peak_rss_mb']:.0f} |"
+        )
+        if target:
+            row += f" {stats['success_rate']:.0%} |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def plot_curves(records: list[dict[str, Any]], path: str | Path, title: str = "") -> Path | None:
+    """
+    Evaluation return against wall-clock seconds of ``learn()`` (evaluation time excluded), one line per run.
+
+    :param records: worker results with their ``curve``
+    :param path: PNG path
+    :param title: plot title
+    :return: the path, or ``None`` when matplotlib is not installed
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    colors: dict[str, str] = {"ours": "tab:green", "stock": "tab:red", "stock-1t": "tab:orange"}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    seen: set[str] = set()
+    for record in records:
+        if not record["curve"]:
+            continue
+        seconds, _, returns = zip(*record["curve"], strict=True)
+        variant = record["variant"]
+        label = None if variant in seen else variant
+        ax.plot(seconds, returns, marker="o", color=colors.get(variant, "tab:blue"), alpha=0.8, label=label)
+        seen.add(variant)
+    ax.set_xlabel("wall-clock seconds in learn() (evaluation excluded)")
+    ax.set_ylabel("mean evaluation return (deterministic)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

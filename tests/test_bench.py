@@ -1,0 +1,84 @@
+import json
+
+import pytest
+
+from sb3_speedups.bench.core import BenchConfig, plan_runs, summarize
+from sb3_speedups.bench.report import format_table
+from sb3_speedups.cli import main
+from sb3_speedups.errors import UserError
+
+
+def test_runs_alternate_abba():
+    runs = plan_runs(BenchConfig("ppo", "CartPole-v1", seeds=[0, 1, 2], variants=["ours", "stock"], ours_conf_file="x.yml"))
+    assert [(r.variant, r.seed) for r in runs] == [
+        ("ours", 0),
+        ("stock", 0),
+        ("stock", 1),
+        ("ours", 1),
+        ("ours", 2),
+        ("stock", 2),
+    ]
+    assert {r.conf_file for r in runs if r.variant == "ours"} == {"x.yml"}
+    assert {r.conf_file for r in runs if r.variant == "stock"} == {None}
+    with pytest.raises(UserError, match="unknown benchmark variant"):
+        plan_runs(BenchConfig("ppo", "CartPole-v1", variants=["ours", "fastest"]))
+
+
+def _record(variant, seconds, reached=True, to_target=1.0):
+    return {
+        "variant": variant,
+        "class": f"x.{variant}",
+        "num_threads": 1,
+        "learn_seconds": seconds,
+        "steps_per_second": 100 / seconds,
+        "final_return_mean": 500.0,
+        "peak_rss_mb": 300.0,
+        "reached_target": reached,
+        "time_to_target": to_target if reached else None,
+        "target_return": 475.0,
+    }
+
+
+def test_summary_ratio_of_medians_and_failures_count_full_budget():
+    records = [_record("ours", s) for s in (1.0, 2.0, 9.0)] + [_record("stock", s) for s in (6.0, 8.0, 10.0)]
+    summary = summarize(records, ["ours", "stock"])
+    assert summary["variants"]["ours"]["median_learn_seconds"] == 2.0
+    assert summary["speedup"]["stock"] == pytest.approx(1.0)  # time-to-target mode: both medians 1.0
+    records[3:] = [_record("stock", 6.0, reached=False), _record("stock", 8.0, reached=False), _record("stock", 10.0)]
+    summary = summarize(records, ["ours", "stock"])
+    assert summary["variants"]["stock"]["success_rate"] == pytest.approx(1 / 3)
+    assert summary["variants"]["stock"]["median_time_to_target"] == 6.0 and summary["speedup"]["stock"] == 6.0
+    assert "| stock | stock | 1 | 6.00 | 6.00x |" in format_table(summary, target=True)
+
+
+@pytest.mark.slow
+def test_bench_command_writes_json_and_png(tmp_path, capsys):
+    code = main(
+        [
+            "bench",
+            "--algo",
+            "ppo",
+            "--env",
+            "CartPole-v1",
+            "-n",
+            "512",
+            "--seeds",
+            "0",
+            "--eval-episodes",
+            "2",
+            "--curve-points",
+            "2",
+            "--out-dir",
+            str(tmp_path),
+            "-params",
+            "n_envs:2",
+            "n_steps:64",
+            "batch_size:64",
+        ]
+    )
+    assert code == 0
+    result = json.loads((tmp_path / "ppo_CartPole-v1.json").read_text())
+    assert [r["variant"] for r in result["records"]] == ["ours", "stock"]
+    assert all(r["timesteps"] == 512 and len(r["curve"]) == 2 and r["peak_rss_mb"] > 0 for r in result["records"])
+    assert (tmp_path / "ppo_CartPole-v1.png").stat().st_size > 1000
+    assert "| ours |" in capsys.readouterr().out

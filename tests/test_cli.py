@@ -1,0 +1,198 @@
+"""The command line end to end (real subprocesses) and in-process for every bad-input case."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from stable_baselines3 import PPO as StockPPO
+
+from sb3_speedups.cli import main
+from sb3_speedups.zoo.hyperparams import rl_zoo_hyperparams_dir
+from tests.helpers import run_cli
+
+FAST_PPO = ["-params", "n_envs:2", "n_steps:64", "batch_size:64", "n_epochs:2"]
+
+
+def test_train_then_enjoy_end_to_end(log_folder: Path):
+    proc = run_cli(
+        "train",
+        "--algo",
+        "ppo",
+        "--env",
+        "CartPole-v1",
+        "-n",
+        "2000",
+        "--seed",
+        "3",
+        "-f",
+        str(log_folder),
+        "--eval-freq",
+        "1000",
+        "--eval-episodes",
+        "2",
+        "--no-progress",
+        *FAST_PPO,
+    )
+    assert proc.returncode == 0, proc.stderr
+    run_dir = log_folder / "ppo" / "CartPole-v1_1"
+    assert f"Saved {run_dir / 'CartPole-v1.zip'}" in proc.stdout
+    assert "Final mean return over 2 episodes" in proc.stdout
+    for name in ("CartPole-v1.zip", "best_model.zip", "config.yml", "args.yml", "evaluations.npz", "0.monitor.csv"):
+        assert (run_dir / name).is_file(), name
+    config = yaml.safe_load((run_dir / "config.yml").read_text())["CartPole-v1"]
+    assert config["n_envs"] == 2 and config["n_steps"] == 64 and config["n_timesteps"] == 2000
+    assert config["learning_rate"] == "lin_0.001" and config["gamma"] == 0.98  # the YAML's values, merged
+    assert np.load(run_dir / "evaluations.npz")["results"].shape[0] >= 1
+    assert StockPPO.load(run_dir / "CartPole-v1.zip").n_steps == 64  # a stock-SB3-loadable zip
+
+    enjoy = run_cli("enjoy", "--algo", "ppo", "--env", "CartPole-v1", "-f", str(log_folder), "--n-episodes", "2")
+    assert enjoy.returncode == 0, enjoy.stderr
+    assert "mean return over 2 episodes" in enjoy.stdout and "CartPole-v1_1" in enjoy.stdout
+
+    # config.yml is itself a hyperparameters file; -i continues training the saved model
+    again = main(
+        [
+            "train",
+            "--algo",
+            "ppo",
+            "--env",
+            "CartPole-v1",
+            "-n",
+            "256",
+            "-f",
+            str(log_folder),
+            "--no-progress",
+            "--conf-file",
+            str(run_dir / "config.yml"),
+            "-i",
+            str(run_dir / "CartPole-v1.zip"),
+            "--eval-freq",
+            "0",
+            "--eval-episodes",
+            "1",
+            "--verbose",
+            "0",
+        ]
+    )
+    assert again == 0
+    continued = StockPPO.load(log_folder / "ppo" / "CartPole-v1_2" / "CartPole-v1.zip")
+    assert continued.num_timesteps > 2000
+
+
+@pytest.mark.slow
+def test_rl_zoo_published_ppo_file_runs_on_acrobot(log_folder: Path):
+    zoo_dir = rl_zoo_hyperparams_dir()
+    if zoo_dir is None:
+        pytest.skip("rl_zoo3 is not installed")
+    zoo_ppo = zoo_dir / "ppo.yml"
+    code = main(
+        [
+            "train",
+            "--algo",
+            "ppo",
+            "--env",
+            "Acrobot-v1",
+            "--conf-file",
+            str(zoo_ppo),
+            "-n",
+            "4096",
+            "-f",
+            str(log_folder),
+            "--eval-freq",
+            "0",
+            "--eval-episodes",
+            "1",
+            "--no-progress",
+            "--verbose",
+            "0",
+        ]
+    )
+    assert code == 0
+    run_dir = log_folder / "ppo" / "Acrobot-v1_1"
+    assert (run_dir / "vecnormalize.pkl").is_file()  # normalize: true in the Zoo's Acrobot section
+    assert yaml.safe_load((run_dir / "config.yml").read_text())["Acrobot-v1"]["n_envs"] == 16
+
+
+BAD_INPUTS = [
+    (["train", "--algo", "ppo", "--env", "CartPole-v9"], "unknown environment id 'CartPole-v9'; did you mean CartPole-v1"),
+    (["train", "--algo", "ppo2", "--env", "CartPole-v1"], "unknown algorithm 'ppo2'; choose one of: ppo, dqn"),
+    (
+        ["train", "--algo", "ppo", "--env", "CartPole-v1", "-params", "learning_rat:0.1"],
+        "unknown hyperparameter 'learning_rat' for ppo (PPO); did you mean learning_rate",
+    ),
+    (
+        ["train", "--algo", "ppo", "--env", "CartPole-v1", "-params", "gamma:1.5"],
+        "invalid hyperparameter gamma=1.5 for ppo: expected a number >= 0 and <= 1",
+    ),
+    (
+        ["train", "--algo", "ppo", "--env", "CartPole-v1", "-params", "n_steps:abc"],
+        "invalid hyperparameter n_steps='abc' for ppo: expected an integer >= 1",
+    ),
+    (
+        ["train", "--algo", "ppo", "--env", "CartPole-v1", "-params", "learning_rate:exp_0.1"],
+        "invalid learning_rate 'exp_0.1': use a number or a linear schedule",
+    ),
+    (
+        ["train", "--algo", "ppo", "--env", "CartPole-v1", "-params", "policy_kwargs:dict(x=__import__('os'))"],
+        "function call in kwargs string",
+    ),
+    (
+        ["train", "--algo", "ppo", "--env", "CartPole-v1", "-i", "/nonexistent/model.zip"],
+        "cannot read model /nonexistent/model.zip: not an existing SB3 .zip file",
+    ),
+    (
+        ["train", "--algo", "ppo", "--env", "CartPole-v1", "--conf-file", "/nonexistent.yml"],
+        "cannot read hyperparameters file /nonexistent.yml",
+    ),
+    (["enjoy", "--algo", "ppo", "--env", "CartPole-v1", "-f", "/nonexistent-logs"], "no runs of ppo on CartPole-v1"),
+    (["train", "--algo", "ppo", "--env", "CartPole-v1", "-params", "batch_size:1"], "invalid hyperparameters for ppo"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUTS)
+def test_bad_input_gives_one_clean_line(argv, message, capsys, log_folder):
+    extra = ["-f", str(log_folder), "--no-progress"] if argv[0] == "train" else []
+    code = main([*argv, *extra])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_bad_yaml_files(tmp_path, capsys):
+    malformed = tmp_path / "malformed.yml"
+    malformed.write_text("CartPole-v1:\n  n_envs: 8\n  policy: 'MlpPolicy\n")
+    assert main(["train", "--algo", "ppo", "--env", "CartPole-v1", "--conf-file", str(malformed)]) == 2
+    assert f"malformed YAML in {malformed}:" in capsys.readouterr().err
+    other = tmp_path / "other.yml"
+    other.write_text("Pendulum-v1:\n  policy: MlpPolicy\n")
+    assert main(["train", "--algo", "ppo", "--env", "CartPole-v1", "--conf-file", str(other)]) == 2
+    assert "no hyperparameters for CartPole-v1 in" in capsys.readouterr().err
+
+
+def test_unknown_flag_and_vec_env_are_argparse_errors(capsys):
+    assert main(["train", "--algo", "ppo", "--env", "CartPole-v1", "--vec-env", "nope"]) == 2
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_console_entry_point_and_module_exit_code():
+    proc = run_cli("train", "--algo", "nope", "--env", "CartPole-v1")
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "unknown algorithm" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "algo, env_id, params",
+    [
+        ("a2c", "CartPole-v1", []),
+        ("td3", "Pendulum-v1", ["learning_starts:100", "train_freq:1", "gradient_steps:1"]),  # RL Zoo: noise_type normal
+        ("qrdqn", "CartPole-v1", ["learning_starts:100"]),
+    ],
+)
+def test_stock_algorithms_with_rl_zoo_files(algo, env_id, params, log_folder):
+    if rl_zoo_hyperparams_dir() is None:
+        pytest.skip("rl_zoo3 is not installed")
+    argv = ["train", "--algo", algo, "--env", env_id, "-n", "300", "-f", str(log_folder), "--eval-freq", "0",
+            "--eval-episodes", "1", "--no-progress", "--verbose", "0"]  # fmt: skip
+    assert main(argv + (["-params", *params] if params else [])) == 0
+    assert (log_folder / algo / f"{env_id}_1" / f"{env_id}.zip").is_file()
