@@ -13,6 +13,7 @@ from typing import Any
 
 from sb3_speedups.errors import UserError
 from sb3_speedups.registry import ALGOS
+from sb3_speedups.tune.cli_args import add_tune_arguments, run_tune
 
 Command = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int], str]
 
@@ -152,6 +153,7 @@ COMMANDS: dict[str, Command] = {
     "train": (add_train_arguments, run_train, "train an agent with RL-Zoo-format hyperparameters"),
     "enjoy": (add_enjoy_arguments, run_enjoy, "evaluate a trained agent"),
     "bench": (add_bench_arguments, run_bench, "benchmark ours against stock SB3 on the same config and seeds"),
+    "tune": (add_tune_arguments, run_tune, "search hyperparameters with Optuna (pruning, worker processes, shared studies)"),
 }
 
 
