@@ -14,8 +14,7 @@ from stable_baselines3.common.monitor import Monitor
 from stable_baselines3.common.vec_env import DummyVecEnv
 
 from sb3_speedups import BatchedSubprocVecEnv, make_vec_env
-from sb3_speedups.bench.vec_env import format_summary
-from sb3_speedups.bench.vec_env import main as bench_main
+from sb3_speedups.bench.vec_env import format_summary, run_vec_env_benchmark
 from sb3_speedups.cli import main
 from sb3_speedups.errors import UserError
 from sb3_speedups.zoo.envs import make_env
@@ -319,8 +318,8 @@ def test_cli_trains_with_batched_vec_env(tmp_path) -> None:
 
 def test_vec_env_benchmark_reports_ratios(tmp_path) -> None:
     out = tmp_path / "bench.json"
-    argv = ["--env", "CartPole-v1", "--kinds", "batched:n_local=1", "gym_vector", "--n-envs", "4", "--rounds", "2"]
-    assert bench_main([*argv, "--block-steps", "5", "--start-method", "fork", "--out", str(out)]) == 0
+    argv = ["bench-vec-env", "--env", "CartPole-v1", "--kinds", "batched:n_local=1", "gym_vector", "--n-envs", "4"]
+    assert main([*argv, "--rounds", "2", "--block-steps", "5", "--start-method", "fork", "--out", str(out)]) == 0
     results = json.loads(out.read_text())["throughput"]
     assert list(results) == ["dummy", "subproc", "batched:n_local=1", "gym_vector"]
     assert results["dummy"]["vs_dummy"] == 1.0 and results["subproc"]["vs_subproc"] == 1.0
@@ -328,7 +327,7 @@ def test_vec_env_benchmark_reports_ratios(tmp_path) -> None:
     assert results["batched:n_local=1"]["n_local"] == 1 and results["batched:n_local=1"]["n_workers"] == 1
     assert "batched:n_local=1" in format_summary("CartPole-v1", results, None)
     with pytest.raises(UserError, match="VecEnv option"):
-        bench_main(["--kinds", "batched:n_local"])
+        run_vec_env_benchmark("CartPole-v1", ["batched:n_local"])
 
 
 def test_gym_registered_env_by_id_with_workers() -> None:

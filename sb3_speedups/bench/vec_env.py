@@ -6,12 +6,11 @@ actions (the order reversed every other round), so a change in machine load hits
 ``DummyVecEnv`` and vs ``SubprocVecEnv`` are medians of per-round ratios. Start-up: each measurement (building
 the VecEnv and its first ``reset``) runs in a fresh process, kinds alternating, per start method.
 
-``python -m sb3_speedups.bench.vec_env --env HalfCheetah-v5 --kinds batched batched:n_local=4 envpool``
+``python scripts/benchmark.py vec-env --env HalfCheetah-v5 --kinds batched batched:n_local=4 envpool``
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 import os
@@ -167,7 +166,6 @@ def measure_startup(env_id: str, kinds: list[str], n_envs: int, start_methods: l
                     sys.executable,
                     "-m",
                     "sb3_speedups.bench.vec_env",
-                    "--startup-child",
                     kind,
                     method,
                     env_id,
@@ -194,46 +192,43 @@ def format_summary(env_id: str, throughput: dict[str, Any], startup: dict[str, A
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command line of the VecEnv benchmark; see the module docstring."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--env", default="CartPole-v1", help="gymnasium id")
-    parser.add_argument(
-        "--kinds",
-        nargs="+",
-        default=["batched"],
-        help=f"from: {', '.join(VEC_ENV_CLASSES)}; options as batched:n_local=4,spin_us=0 (dummy, subproc always run)",
-    )
-    parser.add_argument("--n-envs", type=int, default=8)
-    parser.add_argument("--block-steps", type=int, default=100, help="VecEnv steps per timed block")
-    parser.add_argument("--rounds", type=int, default=20, help="timed blocks per kind")
-    parser.add_argument("--start-method", default=None, help="start method for the throughput runs")
-    parser.add_argument("--startup-methods", default="", help="comma-separated start methods to time start-up for")
-    parser.add_argument("--startup-repeats", type=int, default=3)
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
-    parser.add_argument("--startup-child", nargs=4, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.startup_child:
-        kind, method, env_id, n_envs = args.startup_child
-        _startup_child(kind, env_id, int(n_envs), method)
-        return 0
-    kinds = list(args.kinds)
-    throughput = measure_throughput(
-        args.env, kinds, args.n_envs, args.block_steps, args.rounds, start_method=args.start_method
-    )
+def run_vec_env_benchmark(
+    env_id: str,
+    kinds: list[str],
+    n_envs: int = 8,
+    block_steps: int = 100,
+    rounds: int = 20,
+    start_method: str | None = None,
+    startup_methods: list[str] | None = None,
+    startup_repeats: int = 3,
+    out: str | None = None,
+) -> str:
+    """
+    Throughput of every kind (``dummy`` and ``subproc`` always included) and, per start method, start-up time.
+
+    :param env_id: gymnasium id
+    :param kinds: ``--vec-env`` names, with options as ``batched:n_local=4,spin_us=0``
+    :param n_envs: number of envs
+    :param block_steps: VecEnv steps per timed block
+    :param rounds: timed blocks per kind
+    :param start_method: start method of the throughput runs
+    :param startup_methods: start methods to time start-up for (none: skip)
+    :param startup_repeats: start-up measurements per kind and method
+    :param out: write the results as JSON here
+    :return: the plain-text summary table
+    """
+    throughput = measure_throughput(env_id, kinds, n_envs, block_steps, rounds, start_method=start_method)
     startup = None
-    if args.startup_methods:
-        methods = args.startup_methods.split(",")
+    if startup_methods:
         timed = [kind for kind in dict.fromkeys(["subproc", *kinds]) if parse_kind(kind)[0] in PROCESS_KINDS]
-        startup = measure_startup(args.env, timed, args.n_envs, methods, args.startup_repeats)
-    print(format_summary(args.env, throughput, startup))
-    if args.out:
-        with open(args.out, "w") as file:
-            json.dump(
-                {"env_id": args.env, "n_envs": args.n_envs, "throughput": throughput, "startup": startup}, file, indent=2
-            )
-    return 0
+        startup = measure_startup(env_id, timed, n_envs, startup_methods, startup_repeats)
+    if out:
+        with open(out, "w") as file:
+            json.dump({"env_id": env_id, "n_envs": n_envs, "throughput": throughput, "startup": startup}, file, indent=2)
+    return format_summary(env_id, throughput, startup)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # only as the fresh child process of measure_startup: KIND METHOD ENV_ID N_ENVS
+    kind, method, child_env_id, child_n_envs = sys.argv[1:5]
+    _startup_child(kind, child_env_id, int(child_n_envs), method)
