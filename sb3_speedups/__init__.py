@@ -3,13 +3,15 @@
 from typing import Any
 
 import sb3_speedups.envs  # noqa: F401  (registers CartPoleNoVel-v1 & co.)
+from sb3_speedups.common.env_util import make_vec_env
+from sb3_speedups.common.vec_env import BatchedSubprocVecEnv
 
 __version__ = "0.1.0"
 
 # Algorithms are imported on first use, so that ``import sb3_speedups`` (and ``sb3-speedups --help``) stays fast.
 _LAZY = {"PPO": "sb3_speedups.ppo:PPO"}
 
-__all__ = ["__version__", *_LAZY]
+__all__ = ["BatchedSubprocVecEnv", "__version__", "make_vec_env", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -13,6 +13,7 @@ from typing import Any
 
 from sb3_speedups.errors import UserError
 from sb3_speedups.registry import ALGOS
+from sb3_speedups.tune.cli_args import add_tune_arguments, run_tune
 
 Command = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int], str]
 
@@ -148,10 +149,40 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_bench_vec_env_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``bench-vec-env``."""
+    from sb3_speedups.zoo.envs import VEC_ENV_CLASSES
+
+    parser.add_argument("--env", default="CartPole-v1", help="gymnasium id")
+    parser.add_argument("--kinds", nargs="+", default=["batched"],
+                        help=f"from: {', '.join(VEC_ENV_CLASSES)}; options as batched:n_local=4,spin_us=0 "
+                        "(dummy and subproc always run)")  # fmt: skip
+    parser.add_argument("--n-envs", type=int, default=8, help="number of envs")
+    parser.add_argument("--block-steps", type=int, default=100, help="VecEnv steps per timed block")
+    parser.add_argument("--rounds", type=int, default=20, help="timed blocks per kind")
+    parser.add_argument("--start-method", default=None, help="start method for the throughput runs")
+    parser.add_argument("--startup-methods", nargs="*", default=[], help="start methods to time start-up for")
+    parser.add_argument("--startup-repeats", type=int, default=3, help="start-up measurements per kind and method")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def run_bench_vec_env(args: argparse.Namespace) -> int:
+    """``bench-vec-env``: env-steps/s with random actions per VecEnv kind, and start-up time."""
+    from sb3_speedups.bench.vec_env import run_vec_env_benchmark
+
+    print(run_vec_env_benchmark(
+        args.env, args.kinds, args.n_envs, args.block_steps, args.rounds, args.start_method, args.startup_methods,
+        args.startup_repeats, args.out,
+    ))  # fmt: skip
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "train": (add_train_arguments, run_train, "train an agent with RL-Zoo-format hyperparameters"),
     "enjoy": (add_enjoy_arguments, run_enjoy, "evaluate a trained agent"),
     "bench": (add_bench_arguments, run_bench, "benchmark ours against stock SB3 on the same config and seeds"),
+    "bench-vec-env": (add_bench_vec_env_arguments, run_bench_vec_env, "benchmark VecEnv kinds (env-steps/s, start-up)"),
+    "tune": (add_tune_arguments, run_tune, "search hyperparameters with Optuna (pruning, worker processes, shared studies)"),
 }
 
 

@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
-from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.preprocessing import is_image_space, is_image_space_channels_first
 from stable_baselines3.common.vec_env import VecEnv, VecFrameStack, VecNormalize, VecTransposeImage, is_vecenv_wrapped
 
 import sb3_speedups.envs  # noqa: F401  (registers CartPoleNoVel-v1 & co.)
+from sb3_speedups.common.env_util import make_vec_env
+from sb3_speedups.common.vec_env.adapters import VectorAdapter
 from sb3_speedups.errors import UserError
 from sb3_speedups.registry import import_object
 from sb3_speedups.zoo.hyperparams import Hyperparams
@@ -21,6 +22,9 @@ from sb3_speedups.zoo.hyperparams import Hyperparams
 VEC_ENV_CLASSES: dict[str, str] = {
     "dummy": "stable_baselines3.common.vec_env:DummyVecEnv",
     "subproc": "stable_baselines3.common.vec_env:SubprocVecEnv",
+    "batched": "sb3_speedups.common.vec_env:BatchedSubprocVecEnv",
+    "envpool": "sb3_speedups.common.vec_env.adapters:EnvPoolVecEnv",
+    "gym_vector": "sb3_speedups.common.vec_env.adapters:GymVectorVecEnv",
 }
 
 
@@ -126,14 +130,17 @@ def make_env(
     :param vec_env_kwargs: extra VecEnv constructor arguments
     :return: the env
     """
+    vec_env_cls = vec_env_class(vec_env)
+    # The adapters build the whole batch from the id; the others get one make_single_env per env.
+    adapter = issubclass(vec_env_cls, VectorAdapter)
     env: VecEnv = make_vec_env(
-        make_single_env,
+        env_id if adapter else make_single_env,
         n_envs=n_envs,
         seed=seed,
-        env_kwargs={"env_id": env_id, **hyperparams.env_kwargs},
+        env_kwargs=dict(hyperparams.env_kwargs) if adapter else {"env_id": env_id, **hyperparams.env_kwargs},
         monitor_dir=None if monitor_dir is None else str(monitor_dir),
         wrapper_class=WrapperChain(hyperparams.env_wrappers) if hyperparams.env_wrappers else None,
-        vec_env_cls=vec_env_class(vec_env),  # type: ignore[arg-type]
+        vec_env_cls=vec_env_cls,
         vec_env_kwargs=vec_env_kwargs,
         monitor_kwargs=hyperparams.monitor_kwargs,
     )

@@ -1,0 +1,149 @@
+"""
+Start-up measurements of :class:`~sb3_speedups.common.vec_env.batched_subproc.BatchedSubprocVecEnv`: the cost of
+one env step (and of pickling its infos) on a throw-away env, then a rehearsal of each possible split (envs in
+the main process vs in the workers) with synthetic CPU work of that cost, timed under the machine's current load.
+The fastest split wins; on a cheap env like CartPole that is usually "everything in the main process".
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import multiprocessing as mp
+import os
+import pickle
+from collections.abc import Callable
+from time import perf_counter
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from stable_baselines3.common.vec_env.patch_gym import _patch_env
+
+from sb3_speedups.common.vec_env.worker import burn
+
+# CPU seconds of the bookkeeping around env steps, measured with CPU accounting on a 2-core EPYC (CartPole, all
+# envs in the main process vs all in one worker): per env stepped in the main process; per env stepped in a
+# worker, on the worker's side; per step with workers, on the worker's side (control words, action copy) and on
+# the main process's side (semaphores, payload, infos), plus per env of the workers on the main process's side.
+LOCAL_ENV_OVERHEAD_S = 1.0e-6
+WORKER_ENV_OVERHEAD_S = 2.0e-6
+WORKER_STEP_OVERHEAD_S = 5.0e-6
+MAIN_HANDOFF_S = 10.0e-6
+MAIN_PER_REMOTE_ENV_S = 1.0e-6
+# Wake-up latency of a go/done exchange on an idle machine; a split must beat in-process stepping by
+# PARALLEL_GAIN even with it, else the workers are not even started.
+MIN_ROUND_TRIP_S = 15e-6
+PARALLEL_GAIN = 0.8
+REHEARSAL_BUDGET_S = 0.15
+
+
+def usable_cores() -> int:
+    """:return: number of CPU cores this process may run on"""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)  # pragma: no cover
+
+
+def default_start_method() -> str:
+    """:return: ``forkserver`` where available (SB3's default: safe with threads), else ``spawn``"""
+    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+
+def measure_step_cost(env_fn: Callable[[], gym.Env], budget_s: float = 0.03, max_steps: int = 300) -> tuple[float, float]:
+    """
+    Median time of one step of a throw-away env made by ``env_fn`` (random actions, resets not counted), and of
+    pickling and unpickling its infos as a worker would.
+
+    The env is closed afterwards; the VecEnv's own envs are created later and never stepped here.
+
+    :param env_fn: makes one env
+    :param budget_s: stop after this much stepping time
+    :param max_steps: stop after this many steps
+    :return: ``(seconds per step, seconds of info pickling per step)``
+    """
+    env = _patch_env(env_fn())
+    try:
+        # A copy, so that sampling does not move the RNG of a space that might be handed out later.
+        action_space = copy.deepcopy(env.action_space)
+        action_space.seed(0)
+        env.reset(seed=0)
+        step_times: list[float] = []
+        info_times: list[float] = []
+        while len(step_times) < max_steps and sum(step_times) < budget_s:
+            action = action_space.sample()
+            start = perf_counter()
+            _, _, terminated, truncated, info = env.step(action)
+            step_times.append(perf_counter() - start)
+            start = perf_counter()
+            if info:
+                pickle.loads(pickle.dumps([(0, info, None)], protocol=pickle.HIGHEST_PROTOCOL))
+            info_times.append(perf_counter() - start)
+            if terminated or truncated:
+                env.reset()
+        # Skip the first steps: caches and lazy initialisation make them slower than the rest.
+        skip = 5 if len(step_times) > 10 else 0
+        return float(np.median(step_times[skip:])), float(np.median(info_times[skip:]))
+    finally:
+        env.close()
+
+
+def units_per_second(repeats: int = 5, units: int = 20_000) -> float:
+    """:return: how many :func:`~sb3_speedups.common.vec_env.worker.burn` units this CPU does per second"""
+    best = math.inf
+    for _ in range(repeats):
+        start = perf_counter()
+        burn(units)
+        best = min(best, perf_counter() - start)
+    return units / max(best, 1e-9)
+
+
+def _plans(n_envs: int, n_workers: int, step_cost: float, info_cost: float, candidates: list[int]) -> dict[int, tuple]:
+    """Seconds of work of the main process and of each worker, per candidate number of envs in the main process."""
+    plans: dict[int, tuple[float, float | None]] = {}
+    for n_local in candidates:
+        main_s = n_local * (step_cost + LOCAL_ENV_OVERHEAD_S)
+        remote = n_envs - n_local
+        worker_s = None
+        if remote:
+            main_s += MAIN_HANDOFF_S + remote * MAIN_PER_REMOTE_ENV_S
+            worker_s = WORKER_STEP_OVERHEAD_S + math.ceil(remote / n_workers) * (step_cost + info_cost + WORKER_ENV_OVERHEAD_S)
+        plans[n_local] = (main_s, worker_s)
+    return plans
+
+
+def parallel_may_pay(n_envs: int, n_workers: int, step_cost: float, info_cost: float) -> bool:
+    """
+    :return: whether some split could beat stepping every env in the main process, even with the fastest
+        possible worker round trip (if not, no worker is started)
+    """
+    plans = _plans(n_envs, n_workers, step_cost, info_cost, list(range(n_envs + 1)))
+    best_split = min(max(main_s, MIN_ROUND_TRIP_S + worker_s) for main_s, worker_s in plans.values() if worker_s is not None)
+    return best_split < PARALLEL_GAIN * plans[n_envs][0]
+
+
+def choose_n_local(pool: Any, n_envs: int, step_cost: float, info_cost: float, keep_workers: bool) -> dict[int, float]:
+    """
+    Rehearse every split with synthetic work and return its mean step time.
+
+    :param pool: the started :class:`~sb3_speedups.common.vec_env.pool.WorkerPool`
+    :param n_envs: number of envs
+    :param step_cost: seconds per env step
+    :param info_cost: seconds of info pickling per env step in a worker
+    :param keep_workers: the user asked for these workers: give each at least one env
+    :return: mean seconds per step for each candidate number of envs in the main process
+    """
+    n_workers = len(pool.workers)
+    candidates = list(range(n_envs - n_workers + 1)) if keep_workers else list(range(n_envs + 1))
+    rate = units_per_second()
+    plans = {
+        k: (int(main_s * rate), None if worker_s is None else int(worker_s * rate))
+        for k, (main_s, worker_s) in _plans(n_envs, n_workers, step_cost, info_cost, candidates).items()
+    }
+    predicted = sum(max(m, w or 0) for m, w in plans.values()) / rate
+    rounds = int(np.clip(REHEARSAL_BUDGET_S / max(predicted, 1e-9), 5, 40))
+    steps = [plans[k] for _ in range(rounds) for k in candidates]
+    times = np.asarray(pool.rehearse(steps)).reshape(rounds, len(candidates))
+    # Drop the first round (workers waking up, caches), keep the mean: rare long stalls are part of the cost.
+    means = times[1:].mean(axis=0)
+    return dict(zip(candidates, means.tolist(), strict=True))

@@ -1,0 +1,154 @@
+"""
+The built-in search spaces (the registry's ``sampler=`` entries), written in the format of
+:mod:`sb3_speedups.tune.search_space`. They only offer an option (``recompute_advantages``, ``double_q``, dueling
+heads, GRU cells, ...) when the algorithm class (or its policy) accepts it, so they pick up our faster classes as
+they land, and still work with the stock ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sb3_speedups.registry import import_object
+from sb3_speedups.tune.search_space import Param, SearchSpace, policy_class
+from sb3_speedups.zoo.validation import accepted_kwargs
+
+PRIORITIZED_REPLAY = "sb3_speedups.common.buffers.PrioritizedReplayBuffer"
+
+
+def _params(*params: Param) -> dict[str, Param]:
+    return {param.name: param for param in params}
+
+
+def _policy_accepts(algo_cls: type, hyperparams: dict[str, Any], keyword: str) -> bool:
+    cls = policy_class(algo_cls, hyperparams.get("policy", "MlpPolicy"))
+    return cls is not None and keyword in accepted_kwargs(cls)
+
+
+def _limit_minibatch(hp: dict[str, Any]) -> None:
+    """A PPO minibatch cannot be larger than the rollout (``n_steps * n_envs``)."""
+    n_steps, batch_size = hp.get("n_steps"), hp.get("batch_size")
+    if isinstance(n_steps, int) and isinstance(batch_size, int):
+        hp["batch_size"] = min(batch_size, n_steps * int(hp.get("n_envs", 1)))
+
+
+def _limit_gradient_steps(hp: dict[str, Any]) -> None:
+    """More gradient steps than collected steps per update only overfits the replay buffer."""
+    train_freq, gradient_steps = hp.get("train_freq"), hp.get("gradient_steps")
+    if isinstance(train_freq, int) and isinstance(gradient_steps, int) and gradient_steps > 0:
+        hp["gradient_steps"] = min(gradient_steps, train_freq)
+
+
+def _critic_rnn_with_shared(hp: dict[str, Any]) -> None:
+    """sb3-contrib rejects a separate critic RNN when the actor's is shared."""
+    kwargs = hp.get("policy_kwargs")
+    if isinstance(kwargs, dict) and kwargs.get("shared_lstm"):
+        kwargs["enable_critic_lstm"] = False
+
+
+def gae_params(algo_cls: type) -> dict[str, Param]:
+    """
+    The GAE-focused part of the PPO spaces: discount, GAE lambda, advantage normalisation and, where the class has
+    it, recomputing advantages before each epoch.
+
+    :param algo_cls: the PPO class
+    :return: its parameters
+    """
+    params = _params(
+        Param("one_minus_gamma", low=1e-4, high=0.1, log=True),
+        Param("one_minus_gae_lambda", low=1e-3, high=0.2, log=True),
+        Param("normalize_advantage", choices=(True, False)),
+    )
+    if "recompute_advantages" in accepted_kwargs(algo_cls):
+        params.update(_params(Param("recompute_advantages", choices=(False, True))))
+    return params
+
+
+def ppo_space(algo_cls: type, hyperparams: dict[str, Any]) -> SearchSpace:
+    """
+    :param algo_cls: the PPO class that will be trained
+    :param hyperparams: the YAML section (for the policy)
+    :return: the built-in PPO space
+    """
+    params = _params(
+        Param("n_steps", choices=(16, 32, 64, 128, 256, 512, 1024)),
+        Param("batch_size", choices=(32, 64, 128, 256, 512)),
+        Param("n_epochs", choices=(1, 4, 10, 20)),
+        Param("learning_rate", low=1e-5, high=3e-3, log=True),
+        Param("learning_rate_schedule", choices=("constant", "linear")),
+        Param("ent_coef", low=1e-8, high=0.05, log=True),
+        Param("clip_range", choices=(0.1, 0.2, 0.3)),
+        Param("vf_coef", low=0.2, high=1.0),
+        Param("max_grad_norm", choices=(0.3, 0.5, 1.0, 5.0)),
+        Param("policy_kwargs.net_arch", choices=("64x64", "128x128", "256x256")),
+        Param("policy_kwargs.activation_fn", choices=("Tanh", "ReLU")),
+    )
+    params.update(gae_params(algo_cls))
+    return SearchSpace(params, constraints=[_limit_minibatch])
+
+
+def dqn_space(algo_cls: type, hyperparams: dict[str, Any]) -> SearchSpace:
+    """
+    :param algo_cls: the DQN class that will be trained
+    :param hyperparams: the YAML section (for the policy)
+    :return: the built-in DQN space, with the replay options the class offers
+    """
+    params = _params(
+        Param("learning_rate", low=1e-5, high=1e-2, log=True),
+        Param("batch_size", choices=(32, 64, 128, 256)),
+        Param("buffer_size", choices=(10_000, 50_000, 100_000, 1_000_000)),
+        Param("learning_starts", choices=(0, 1000, 5000)),
+        Param("one_minus_gamma", low=1e-3, high=0.1, log=True),
+        Param("target_update_interval", choices=(1, 10, 100, 1000, 5000)),
+        Param("train_freq", choices=(1, 4, 16, 64, 256)),
+        Param("gradient_steps", choices=(1, 4, 16, 64, 128)),
+        Param("exploration_fraction", low=0.0, high=0.5),
+        Param("exploration_final_eps", low=0.0, high=0.2),
+        Param("policy_kwargs.net_arch", choices=("64", "64x64", "256x256")),
+        Param("n_steps", choices=(1, 3, 5)),
+    )
+    accepted = accepted_kwargs(algo_cls)
+    for option in ("double_q", "combined_replay"):
+        if option in accepted:
+            params.update(_params(Param(option, choices=(False, True))))
+    if _policy_accepts(algo_cls, hyperparams, "dueling"):
+        params.update(_params(Param("policy_kwargs.dueling", choices=(False, True))))
+    if _ours(algo_cls) and _importable(PRIORITIZED_REPLAY):
+        params.update(_params(Param("replay_buffer_class", choices=(None, PRIORITIZED_REPLAY))))
+    return SearchSpace(params, constraints=[_limit_gradient_steps])
+
+
+def _ours(algo_cls: type) -> bool:
+    """Stock SB3 DQN would sample a prioritised buffer but never update its priorities."""
+    return algo_cls.__module__.startswith("sb3_speedups.")
+
+
+def _importable(dotted: str) -> bool:
+    module, _, attr = dotted.rpartition(".")
+    try:
+        import_object(f"{module}:{attr}")
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
+def ppo_lstm_space(algo_cls: type, hyperparams: dict[str, Any]) -> SearchSpace:
+    """
+    :param algo_cls: the RecurrentPPO class that will be trained
+    :param hyperparams: the YAML section (for the policy)
+    :return: the built-in recurrent PPO space (LSTM or GRU where the policy offers it, hidden size)
+    """
+    params = _params(
+        Param("n_steps", choices=(16, 32, 64, 128, 256)),
+        Param("batch_size", choices=(32, 64, 128, 256)),
+        Param("n_epochs", choices=(1, 4, 10, 20)),
+        Param("learning_rate", low=1e-5, high=3e-3, log=True),
+        Param("ent_coef", low=1e-8, high=0.05, log=True),
+        Param("clip_range", choices=(0.1, 0.2, 0.3)),
+        Param("policy_kwargs.lstm_hidden_size", choices=(16, 32, 64, 128, 256)),
+        Param("policy_kwargs.enable_critic_lstm", choices=(True, False)),
+    )
+    params.update(gae_params(algo_cls))
+    if _policy_accepts(algo_cls, hyperparams, "rnn_type"):
+        params.update(_params(Param("policy_kwargs.rnn_type", choices=("lstm", "gru"))))
+    return SearchSpace(params, constraints=[_limit_minibatch, _critic_rnn_with_shared])
