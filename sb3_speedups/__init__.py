@@ -1,9 +1,22 @@
 """sb3_speedups: faster drop-in Stable-Baselines3 algorithms with the same learning curves."""
 
+from typing import Any
+
 import sb3_speedups.envs  # noqa: F401  (registers CartPoleNoVel-v1 & co.)
 from sb3_speedups.common.env_util import make_vec_env
 from sb3_speedups.common.vec_env import BatchedSubprocVecEnv
 
 __version__ = "0.1.0"
 
-__all__ = ["BatchedSubprocVecEnv", "__version__", "make_vec_env"]
+# Algorithms are imported on first use, so that ``import sb3_speedups`` (and ``sb3-speedups --help``) stays fast.
+_LAZY = {"PPO": "sb3_speedups.ppo:PPO"}
+
+__all__ = ["BatchedSubprocVecEnv", "__version__", "make_vec_env", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from sb3_speedups.registry import import_object
+
+        return import_object(_LAZY[name])
+    raise AttributeError(f"module 'sb3_speedups' has no attribute {name!r}")

@@ -1,0 +1,181 @@
+"""
+Flat parameter and gradient buffers, and one fused Adam step over them.
+
+The module keeps its own ``nn.Parameter`` objects (so ``state_dict``, saving and stock loading are untouched); only
+their storage moves into one contiguous buffer. Gradient clipping then is one norm, and Adam one fused kernel call,
+instead of a Python loop over every tensor. The ``torch.optim.Adam`` object stays the source of truth for the
+hyperparameters, and its state tensors are views into the flat moment buffers, so ``optimizer.state_dict()`` holds
+exactly what stock Adam would hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch as th
+
+
+class FlatParameters:
+    """
+    Make ``params`` views into one flat data buffer, with one flat gradient buffer beside it.
+
+    :param params: the parameters, in the module's (and optimizer's) order
+    :param layout: the same parameters in the order to lay them out in the buffer (default: ``params``); laying
+        out equally shaped tensors side by side lets callers use them as one stacked tensor (:meth:`stacked`)
+    """
+
+    def __init__(self, params: Sequence[th.Tensor], layout: Sequence[th.Tensor] | None = None) -> None:
+        self.params = list(params)
+        layout = self.params if layout is None else list(layout)
+        if {id(p) for p in layout} != {id(p) for p in self.params} or len(layout) != len(self.params):
+            raise ValueError("layout must hold exactly the same parameters")
+        first = self.params[0]
+        if any(p.dtype != first.dtype or p.device != first.device for p in self.params):
+            raise ValueError("all parameters must share one dtype and device")
+        total = sum(p.numel() for p in layout)
+        self.data = th.empty(total, dtype=first.dtype, device=first.device)
+        self.grad = th.zeros(total, dtype=first.dtype, device=first.device)
+        self._offsets: dict[int, int] = {}
+        offset = 0
+        with th.no_grad():
+            for p in layout:
+                self._offsets[id(p)] = offset
+                view = self.data[offset : offset + p.numel()].view_as(p)
+                view.copy_(p.data)
+                p.data = view
+                offset += p.numel()
+
+    def offset(self, param: th.Tensor) -> int:
+        """:return: where ``param`` starts in the flat buffers"""
+        return self._offsets[id(param)]
+
+    def data_of(self, param: th.Tensor) -> th.Tensor:
+        """:return: the view of ``param`` in the data buffer (the parameter's own storage)"""
+        start = self.offset(param)
+        return self.data[start : start + param.numel()].view_as(param)
+
+    def grad_of(self, param: th.Tensor) -> th.Tensor:
+        """:return: the view of ``param``'s gradient in the gradient buffer"""
+        start = self.offset(param)
+        return self.grad[start : start + param.numel()].view_as(param)
+
+    def stacked(self, params: Sequence[th.Tensor], grad: bool = False) -> th.Tensor:
+        """
+        :param params: equally shaped parameters laid out one after the other
+        :param grad: view the gradient buffer instead of the data buffer
+        :return: one ``[len(params), *shape]`` view over them
+        """
+        shape, start = params[0].shape, self.offset(params[0])
+        for i, p in enumerate(params):
+            if p.shape != shape or self.offset(p) != start + i * p.numel():
+                raise ValueError("stacked parameters must be equally shaped and laid out side by side")
+        buffer = self.grad if grad else self.data
+        return buffer[start : start + len(params) * params[0].numel()].view(len(params), *shape)
+
+    def is_bound(self) -> bool:
+        """:return: whether every parameter still lives in the data buffer (``module.to()`` or ``p.data = ...`` undo it)"""
+        base = self.data.data_ptr()
+        item = self.data.element_size()
+        return all(p.data.data_ptr() == base + self._offsets[id(p)] * item for p in self.params)
+
+    def attach_grads(self) -> None:
+        """Set every ``param.grad`` to its view of the gradient buffer, so autograd accumulates into it."""
+        for p in self.params:
+            p.grad = self.grad_of(p)
+
+    def clip_divisor(self, max_norm: float) -> th.Tensor:
+        """
+        :param max_norm: the largest allowed total 2-norm
+        :return: what to divide the gradient by to clip it as ``torch.nn.utils.clip_grad_norm_`` does (a 0-dim tensor,
+            at least 1; no host sync)
+        """
+        return th.linalg.vector_norm(self.grad).add_(1e-6).div_(max_norm).clamp_(min=1.0)
+
+
+def adam_unsupported_reason(optimizer: th.optim.Optimizer, params: Sequence[th.Tensor]) -> str | None:
+    """
+    :param optimizer: the policy's optimizer
+    :param params: the parameters it should hold, in order
+    :return: why :class:`FlatAdam` cannot run it, or ``None`` when it can
+    """
+    if type(optimizer) is not th.optim.Adam:
+        return f"optimizer is {type(optimizer).__name__}, not torch.optim.Adam"
+    if len(optimizer.param_groups) != 1:
+        return "optimizer has several parameter groups"
+    group = optimizer.param_groups[0]
+    if [id(p) for p in group["params"]] != [id(p) for p in params]:
+        return "optimizer does not hold exactly the policy's parameters"
+    for key, fine in (("amsgrad", False), ("maximize", False), ("differentiable", False), ("weight_decay", 0)):
+        if group.get(key, fine) != fine:
+            return f"optimizer uses {key}={group[key]}"
+    steps = {float(optimizer.state[p]["step"]) for p in params if "step" in optimizer.state.get(p, {})}
+    if len(steps) > 1 or (steps and len([p for p in params if "step" in optimizer.state.get(p, {})]) != len(params)):
+        return "optimizer state has different step counts per parameter"
+    return None
+
+
+class FlatAdam:
+    """
+    Adam on :class:`FlatParameters` in one fused step, sharing hyperparameters and state with a ``torch.optim.Adam``.
+
+    Existing optimizer state (a loaded model) is copied in; afterwards ``optimizer.state[p]`` holds views into the
+    flat moment buffers (and one step counter per parameter, as stock Adam does), so saving and loading the
+    optimizer's ``state_dict`` works with stock SB3. Check :func:`adam_unsupported_reason` first.
+
+    :param flat: the flat parameters
+    :param optimizer: the ``torch.optim.Adam`` over exactly ``flat.params``
+    """
+
+    def __init__(self, flat: FlatParameters, optimizer: th.optim.Optimizer) -> None:
+        reason = adam_unsupported_reason(optimizer, flat.params)
+        if reason is not None:
+            raise ValueError(reason)
+        self.flat, self.optimizer = flat, optimizer
+        self.exp_avg = th.zeros_like(flat.data)
+        self.exp_avg_sq = th.zeros_like(flat.data)
+        # Fused kernels want float32 step counters on the parameters' device.
+        self.steps = th.zeros(len(flat.params), dtype=th.float32, device=flat.data.device)
+        with th.no_grad():
+            for i, p in enumerate(flat.params):
+                old = optimizer.state.get(p, {})
+                start = flat.offset(p)
+                m = self.exp_avg[start : start + p.numel()].view_as(p)
+                v = self.exp_avg_sq[start : start + p.numel()].view_as(p)
+                if "exp_avg" in old:
+                    m.copy_(old["exp_avg"])
+                    v.copy_(old["exp_avg_sq"])
+                    self.steps[i] = float(old["step"])
+                optimizer.state[p] = {"step": self.steps[i], "exp_avg": m, "exp_avg_sq": v}
+        self._bound = [optimizer.state[p]["exp_avg"] for p in flat.params]
+
+    def is_bound(self) -> bool:
+        """:return: whether the optimizer still holds our state views (``optimizer.load_state_dict`` replaces them)"""
+        state = self.optimizer.state
+        return all(state.get(p, {}).get("exp_avg") is view for p, view in zip(self.flat.params, self._bound, strict=True))
+
+    def step(self, grad_divisor: th.Tensor | None = None) -> None:
+        """
+        One Adam step of every parameter with the flat gradient, reading ``lr``/``betas``/``eps`` from the optimizer.
+        (The flat buffers are plain tensors, so no ``no_grad`` context is needed.)
+
+        :param grad_divisor: divide the gradient by this first, inside the fused kernel (gradient clipping)
+        """
+        group = self.optimizer.param_groups[0]
+        beta1, beta2 = group["betas"]
+        self.steps.add_(1)
+        th._fused_adam_(
+            [self.flat.data],
+            [self.flat.grad],
+            [self.exp_avg],
+            [self.exp_avg_sq],
+            [],
+            [self.steps[0]],
+            amsgrad=False,
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            weight_decay=0.0,
+            eps=float(group["eps"]),
+            maximize=False,
+            grad_scale=grad_divisor,
+        )

@@ -1,0 +1,5 @@
+"""Fast drop-in PPO."""
+
+from sb3_speedups.ppo.ppo import PPO
+
+__all__ = ["PPO"]

@@ -1,0 +1,189 @@
+"""The lean inference copies, flat parameters and the flat fused Adam, each against the stock torch/SB3 object."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch as th
+from gymnasium import spaces
+from stable_baselines3.common.policies import ActorCriticPolicy, MultiInputActorCriticPolicy
+from torch import nn
+
+from sb3_speedups.common.fast_mlp import ActorCriticMlp
+from sb3_speedups.common.heads import make_head, sample_one_per_row
+from sb3_speedups.common.inference import LeanActorCritic, LeanMlp, ModuleActorCritic, ParameterMirror
+from sb3_speedups.common.optim import FlatAdam, FlatParameters, adam_unsupported_reason
+
+ACTION_SPACES = {
+    "discrete": spaces.Discrete(3),
+    "box": spaces.Box(-2, 2, (2,)),
+    "multidiscrete": spaces.MultiDiscrete([3, 2, 4]),
+    "multibinary": spaces.MultiBinary(3),
+}
+OBS_SPACE = spaces.Box(-1, 1, (5,))
+
+
+def make_policy(action_space, **kwargs):
+    return ActorCriticPolicy(OBS_SPACE, action_space, lambda _: 1e-3, **kwargs)
+
+
+@pytest.mark.parametrize("name", ACTION_SPACES)
+def test_lean_actor_samples_exactly_as_the_policy(name):
+    policy = make_policy(ACTION_SPACES[name])
+    actor = LeanActorCritic(policy, make_head(policy.action_dist, policy.action_space))
+    obs = np.random.default_rng(0).uniform(-1, 1, (8, 5)).astype(np.float32)
+    th.manual_seed(5)
+    with th.no_grad():
+        actions, values, log_probs = policy(th.as_tensor(obs))
+    after_stock = th.rand(3)
+    th.manual_seed(5)
+    lean_actions, lean_values, lean_log_probs = actor.act(obs)
+    th.testing.assert_close(th.rand(3), after_stock)  # the RNG was drawn exactly as much
+    np.testing.assert_array_equal(lean_actions, actions.numpy())
+    assert lean_actions.dtype == actions.numpy().dtype
+    th.testing.assert_close(lean_values, values, rtol=0, atol=1e-6)
+    th.testing.assert_close(lean_log_probs, log_probs, rtol=0, atol=1e-5)
+    th.testing.assert_close(actor.predict_values(obs), values.view(-1), rtol=0, atol=1e-6)
+
+
+def test_module_actor_uses_lean_heads_and_matches_dict_policy():
+    obs_space = spaces.Dict({"x": spaces.Box(-1, 1, (3,)), "k": spaces.Discrete(4)})
+    policy = MultiInputActorCriticPolicy(obs_space, spaces.Discrete(3), lambda _: 1e-3)
+    actor = ModuleActorCritic(policy)
+    assert actor.head is not None and actor.policy is policy
+    obs = {"x": np.zeros((4, 3), np.float32) + 0.3, "k": np.array([0, 1, 2, 3])}
+    th.manual_seed(1)
+    with th.no_grad():
+        actions, values, log_probs = policy(policy.obs_to_tensor(obs)[0])
+    th.manual_seed(1)
+    mine = actor.act(obs)
+    np.testing.assert_array_equal(mine[0], actions.numpy())
+    th.testing.assert_close(mine[1], values)
+    th.testing.assert_close(mine[2], log_probs)
+
+
+def perturb(policy):
+    with th.no_grad():
+        for p in policy.parameters():
+            p.add_(0.1)
+
+
+def test_copies_are_frozen_until_synced():
+    policy = make_policy(ACTION_SPACES["box"])
+    ActorCriticMlp(policy)  # moves the parameters into one flat buffer: the mirror then syncs with one copy
+    lean = LeanActorCritic(policy, make_head(policy.action_dist, policy.action_space))
+    module = ModuleActorCritic(policy, copy=True)
+    assert module.policy is not policy
+    obs = np.full((2, 5), 0.5, np.float32)
+    before = lean.predict_values(obs).clone()
+    perturb(policy)
+    assert not lean.mirror.is_current() and not module.mirror.is_current()
+    th.testing.assert_close(lean.predict_values(obs), before)
+    lean.sync()
+    module.sync()
+    assert lean.mirror.is_current() and module.mirror.is_current()
+    assert lean.mirror._tiling([s.detach() for s in lean.mirror.sources]) is not None
+    with th.no_grad():
+        expected = policy.predict_values(th.as_tensor(obs)).view(-1)
+    th.testing.assert_close(lean.predict_values(obs), expected)
+    th.testing.assert_close(module.predict_values(obs), expected)
+
+
+def test_mirror_follows_scattered_sources():
+    a, b = th.randn(3, 2), th.randn(4)
+    mirror = ParameterMirror([a, b])
+    a.add_(1.0)
+    assert not mirror.is_current()
+    mirror.sync()
+    assert mirror.is_current()
+
+
+def test_lean_mlp_equals_sequential():
+    seq = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.LeakyReLU(0.2), nn.Linear(16, 3))
+    lean = LeanMlp.from_module(seq, lambda t: t.detach())
+    x = th.randn(7, 4)
+    th.testing.assert_close(lean(x), seq(x).detach(), rtol=0, atol=0)
+    assert LeanMlp.parse(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))) is None
+
+
+def test_flat_parameters_keep_module_and_state_dict():
+    policy = make_policy(ACTION_SPACES["discrete"])
+    state = copy.deepcopy(policy.state_dict())
+    params = list(policy.parameters())
+    flat = FlatParameters(params, list(reversed(params)))
+    assert all(p is q for p, q in zip(params, policy.parameters(), strict=True)) and flat.is_bound()
+    for key, value in policy.state_dict().items():
+        th.testing.assert_close(value, state[key], rtol=0, atol=0)
+    flat.data.mul_(0.0)  # the parameters are views: they see it
+    assert all(float(p.detach().abs().sum()) == 0.0 for p in policy.parameters())
+    policy.load_state_dict(state)  # loading copies into the views
+    assert flat.is_bound() and float(flat.data.abs().sum()) > 0
+    with pytest.raises(ValueError, match="side by side"):
+        flat.stacked([params[0], params[2]])
+
+
+def test_flat_adam_matches_torch_adam_and_saves_as_stock():
+    th.manual_seed(0)
+    ours_policy = make_policy(ACTION_SPACES["box"])
+    stock_policy = copy.deepcopy(ours_policy)
+    flat = FlatParameters(list(ours_policy.parameters()))
+    adam = FlatAdam(flat, ours_policy.optimizer)
+    x, actions = th.randn(32, 5), th.randn(32, 2)
+
+    def loss_of(policy):
+        values, log_prob, entropy = policy.evaluate_actions(x, actions)
+        return values.pow(2).mean() - log_prob.mean() - 0.1 * entropy.mean()
+
+    for _ in range(5):
+        for policy in (ours_policy, stock_policy):
+            policy.optimizer.zero_grad() if policy is stock_policy else flat.grad.zero_()
+            loss = loss_of(policy)
+            if policy is ours_policy:
+                grads = th.autograd.grad(loss, list(policy.parameters()))
+                for p, g in zip(policy.parameters(), grads, strict=True):
+                    flat.grad_of(p).copy_(g)
+                assert float(flat.clip_divisor(0.5)) > 1.0  # the clipping is exercised
+                adam.step(flat.clip_divisor(0.5))  # clipped inside the fused kernel
+            else:
+                loss.backward()
+                th.nn.utils.clip_grad_norm_(policy.parameters(), 0.5)
+                policy.optimizer.step()
+    for p, q in zip(ours_policy.parameters(), stock_policy.parameters(), strict=True):
+        th.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    ours_state, stock_state = ours_policy.optimizer.state_dict(), stock_policy.optimizer.state_dict()
+    assert ours_state["state"].keys() == stock_state["state"].keys()
+    for key, state in stock_state["state"].items():
+        assert float(ours_state["state"][key]["step"]) == float(state["step"]) == 5
+        th.testing.assert_close(ours_state["state"][key]["exp_avg_sq"], state["exp_avg_sq"], rtol=1e-4, atol=1e-9)
+    # A stock optimizer loading our state steps each parameter once per step (separate step counters).
+    fresh = th.optim.Adam(stock_policy.parameters(), lr=1e-3)
+    fresh.load_state_dict(ours_state)
+    stock_policy.optimizer.zero_grad()
+    loss_of(stock_policy).backward()
+    fresh.step()
+    assert all(float(s["step"]) == 6 for s in fresh.state.values())
+    # Loading state into the optimizer replaces our views: FlatAdam notices, a new one imports the state.
+    assert adam.is_bound()
+    ours_policy.optimizer.load_state_dict(stock_state)
+    assert not adam.is_bound()
+    again = FlatAdam(flat, ours_policy.optimizer)
+    assert again.is_bound() and float(again.steps[0]) == 5
+
+
+def test_adam_support_checks():
+    policy = make_policy(ACTION_SPACES["discrete"])
+    params = list(policy.parameters())
+    assert adam_unsupported_reason(policy.optimizer, params) is None
+    assert "SGD" in adam_unsupported_reason(th.optim.SGD(params, lr=0.1), params)
+    assert "amsgrad" in adam_unsupported_reason(th.optim.Adam(params, amsgrad=True), params)
+
+
+@pytest.mark.parametrize("k", [2, 3, 7])
+def test_single_draw_equals_torch_multinomial(k):
+    probs = th.softmax(th.randn(500, k), dim=-1)
+    th.manual_seed(11)
+    expected = th.multinomial(probs, 1, True)
+    after = th.rand(2)
+    th.manual_seed(11)
+    th.testing.assert_close(sample_one_per_row(probs), expected, rtol=0, atol=0)
+    th.testing.assert_close(th.rand(2), after)
