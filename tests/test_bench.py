@@ -82,3 +82,19 @@ def test_bench_command_writes_json_and_png(tmp_path, capsys):
     assert all(r["timesteps"] == 512 and len(r["curve"]) == 2 and r["peak_rss_mb"] > 0 for r in result["records"])
     assert (tmp_path / "ppo_CartPole-v1.png").stat().st_size > 1000
     assert "| ours |" in capsys.readouterr().out
+
+
+def test_stock_1t_keeps_sb3_adam_settings():
+    import torch as th
+    from stable_baselines3 import PPO as StockPPO
+
+    from sb3_speedups.bench.worker import use_fused_adam
+
+    model = StockPPO("MlpPolicy", "CartPole-v1", n_steps=16, batch_size=16)
+    use_fused_adam(model)
+    optimizer = model.policy.optimizer
+    assert type(optimizer) is th.optim.Adam and optimizer.defaults["fused"] and optimizer.defaults["eps"] == 1e-5
+    assert sum(p.numel() for g in optimizer.param_groups for p in g["params"]) == sum(
+        p.numel() for p in model.policy.parameters()
+    )
+    model.learn(32)

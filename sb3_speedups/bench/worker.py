@@ -92,6 +92,21 @@ class LearningCurveCallback(BaseCallback):
         return True
 
 
+def use_fused_adam(model: Any) -> None:
+    """
+    Rebuild the policy's Adam as a fused Adam with the same settings (SB3's own ``eps=1e-5`` for actor-critic
+    policies included, which passing ``optimizer_kwargs`` would drop).
+
+    :param model: a freshly built algorithm whose ``policy.optimizer`` may be a ``torch.optim.Adam``
+    """
+    optimizer = model.policy.optimizer
+    if type(optimizer) is not th.optim.Adam or optimizer.defaults.get("fused"):
+        return
+    settings = {k: v for k, v in optimizer.defaults.items() if k not in ("foreach", "fused")}
+    groups = [{"params": group["params"]} for group in optimizer.param_groups]
+    model.policy.optimizer = th.optim.Adam(groups, **settings, fused=True)
+
+
 def _peak_rss_mb() -> float:
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
@@ -118,14 +133,13 @@ def run(bench: BenchRun) -> dict[str, Any]:
     experiment = prepare_experiment(config)
     if bench.variant == "stock-1t":
         th.set_num_threads(1)
-        policy_kwargs = dict(experiment.hyperparams.model_kwargs.get("policy_kwargs", {}))
-        policy_kwargs["optimizer_kwargs"] = {**policy_kwargs.get("optimizer_kwargs", {}), "fused": True}
-        experiment.hyperparams.model_kwargs["policy_kwargs"] = policy_kwargs
     hp = experiment.hyperparams
     env = make_env(bench.env_id, hp, hp.n_envs, bench.seed, vec_env=bench.vec_env)
     eval_env = make_env(bench.env_id, hp, 1, bench.seed + 1000, eval_env=True)
     try:
         model = create_model(experiment, env)
+        if bench.variant == "stock-1t":
+            use_fused_adam(model)
         every = max(hp.n_timesteps // bench.curve_points, 1) if bench.curve_points > 0 else hp.n_timesteps + 1
         curve = LearningCurveCallback(eval_env, every, max(bench.eval_episodes // 2, 1), bench.target_return)
         model.learn(hp.n_timesteps, callback=curve)
