@@ -53,32 +53,13 @@ def test_summary_ratio_of_medians_and_failures_count_full_budget():
 
 @pytest.mark.slow
 def test_bench_command_writes_json_and_png(tmp_path, capsys):
-    code = main(
-        [
-            "bench",
-            "--algo",
-            "ppo",
-            "--env",
-            "CartPole-v1",
-            "-n",
-            "512",
-            "--seeds",
-            "0",
-            "--eval-episodes",
-            "2",
-            "--curve-points",
-            "2",
-            "--out-dir",
-            str(tmp_path),
-            "-params",
-            "n_envs:2",
-            "n_steps:64",
-            "batch_size:64",
-        ]
-    )
+    argv = ["bench", "--algo", "ppo", "--env", "CartPole-v1", "-n", "512", "--seeds", "0", "--eval-episodes", "2"]
+    argv += ["--curve-points", "2", "--out-dir", str(tmp_path), "--variants", "ours", "stock-1t"]
+    code = main([*argv, "-params", "n_envs:2", "n_steps:64", "batch_size:64"])
     assert code == 0
     result = json.loads((tmp_path / "ppo_CartPole-v1.json").read_text())
-    assert [r["variant"] for r in result["records"]] == ["ours", "stock"]
+    assert [r["variant"] for r in result["records"]] == ["ours", "stock-1t"]
+    assert [r["num_threads"] for r in result["records"]] == [1, 1]
     assert all(r["timesteps"] == 512 and len(r["curve"]) == 2 and r["peak_rss_mb"] > 0 for r in result["records"])
     assert (tmp_path / "ppo_CartPole-v1.png").stat().st_size > 1000
     assert "| ours |" in capsys.readouterr().out
