@@ -258,6 +258,20 @@ def _plain_forward(policy: nn.Module) -> bool:
     )
 
 
+def policy_latents(policy: ActorCriticPolicy, obs: Any) -> tuple[th.Tensor, th.Tensor]:
+    """
+    The actor's and the critic's latents, as ``ActorCriticPolicy.forward`` computes them.
+
+    :param policy: the policy
+    :param obs: observations as tensors
+    :return: ``(latent_pi, latent_vf)``
+    """
+    features = policy.extract_features(obs)
+    if policy.share_features_extractor:
+        return policy.mlp_extractor(features)
+    return policy.mlp_extractor.forward_actor(features[0]), policy.mlp_extractor.forward_critic(features[1])
+
+
 def lean_head(policy: nn.Module) -> ActionHead | None:
     """:return: the action head to use instead of the policy's distribution objects, or ``None`` to call the policy"""
     if not _plain_forward(policy) or getattr(policy, "use_sde", False):
@@ -322,14 +336,7 @@ class ModuleActorCritic:
         if self.head is None:
             actions, values, log_prob = policy(obs_tensor)
             return actions.cpu().numpy(), values, log_prob
-        features = policy.extract_features(obs_tensor)
-        if policy.share_features_extractor:
-            latent_pi, latent_vf = policy.mlp_extractor(features)
-        else:
-            latent_pi, latent_vf = (
-                policy.mlp_extractor.forward_actor(features[0]),
-                policy.mlp_extractor.forward_critic(features[1]),
-            )
+        latent_pi, latent_vf = policy_latents(policy, obs_tensor)
         values = policy.value_net(latent_vf)
         actions, log_prob = self.head.sample(policy.action_net(latent_pi), getattr(policy, "log_std", None))
         return actions.cpu().numpy(), values, log_prob

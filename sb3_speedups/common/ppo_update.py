@@ -23,7 +23,7 @@ from stable_baselines3.common.policies import ActorCriticPolicy
 
 from sb3_speedups.common.fast_mlp import ActorCriticMlp
 from sb3_speedups.common.heads import ActionHead
-from sb3_speedups.common.inference import lean_head
+from sb3_speedups.common.inference import lean_head, policy_latents
 from sb3_speedups.common.minibatches import Minibatch
 from sb3_speedups.common.optim import FlatAdam, FlatParameters, adam_unsupported_reason
 
@@ -187,14 +187,7 @@ class AutogradPPOUpdate:
         if self.head is None:
             values, log_prob, entropy = policy.evaluate_actions(obs, actions.long().flatten() if self._discrete else actions)
             return values.flatten(), log_prob, entropy
-        features = policy.extract_features(obs)
-        if policy.share_features_extractor:
-            latent_pi, latent_vf = policy.mlp_extractor(features)
-        else:
-            latent_pi, latent_vf = (
-                policy.mlp_extractor.forward_actor(features[0]),
-                policy.mlp_extractor.forward_critic(features[1]),
-            )
+        latent_pi, latent_vf = policy_latents(policy, obs)
         log_prob, entropy = self.head.log_prob_entropy(policy.action_net(latent_pi), actions, getattr(policy, "log_std", None))
         return policy.value_net(latent_vf).flatten(), log_prob, entropy
 
