@@ -9,7 +9,7 @@ import numpy as np
 from gymnasium import spaces
 
 
-class DelayedRecallEnv(gym.Env[np.ndarray, int]):
+class DelayedRecallEnv(gym.Env[np.ndarray, np.int64]):
     """
     Observation ``[cue, query]``: the first one carries the cue (+1 or -1), the next ``delay`` are zeros, the last
     of them has ``query = 1``; the action taken then scores +1 if it equals the cue bit, else -1, and ends the
@@ -26,7 +26,7 @@ class DelayedRecallEnv(gym.Env[np.ndarray, int]):
             raise ValueError(f"delay must be >= 1, got {delay}")
         self.delay = delay
         self.observation_space = spaces.Box(-1.0, 1.0, shape=(2,), dtype=np.float32)
-        self.action_space = spaces.Discrete(2)
+        self.action_space: spaces.Discrete = spaces.Discrete(2)
         self._cue = 0
         self._t = 0
 
@@ -36,7 +36,7 @@ class DelayedRecallEnv(gym.Env[np.ndarray, int]):
         self._t = 0
         return np.array([2.0 * self._cue - 1.0, 0.0], dtype=np.float32), {}
 
-    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
+    def step(self, action: np.int64) -> tuple[np.ndarray, float, bool, bool, dict]:
         self._t += 1
         if self._t <= self.delay:
             query = 1.0 if self._t == self.delay else 0.0

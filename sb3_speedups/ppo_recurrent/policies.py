@@ -53,7 +53,8 @@ def process_sequence(
 class _FastRecurrentMixin:
     """Swaps the LSTMs for GRUs when asked and uses :func:`process_sequence`."""
 
-    _process_sequence = staticmethod(process_sequence)
+    # sb3-contrib annotates its version as returning two tensors; the states are really a (h, c) tuple.
+    _process_sequence: Any = staticmethod(process_sequence)
 
     def _use_rnn_type(self, rnn_type: str, lr_schedule: Schedule) -> None:
         if rnn_type not in RNN_TYPES:
