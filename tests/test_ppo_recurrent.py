@@ -133,3 +133,27 @@ def test_short_learning_cartpole() -> None:
     model.learn(6000)
     returns = [ep["r"] for ep in model.ep_info_buffer]
     assert np.mean(returns[-10:]) > 40
+
+
+@pytest.mark.slow
+def test_memory_task_solved_by_lstm_and_gru_not_by_feed_forward() -> None:
+    from stable_baselines3.common.env_util import make_vec_env
+
+    from sb3_speedups import PPO
+
+    kw = dict(n_steps=32, batch_size=64, n_epochs=10, learning_rate=3e-3, ent_coef=0.01, seed=0)
+    rnn_kwargs = dict(lstm_hidden_size=32, net_arch=dict(pi=[32], vf=[32]))
+    cases = [
+        (RecurrentPPO, "MlpLstmPolicy", rnn_kwargs),
+        (RecurrentPPO, "MlpGruPolicy", rnn_kwargs),
+        (PPO, "MlpPolicy", dict(net_arch=[32])),
+    ]
+    means = []
+    for algo, policy, policy_kwargs in cases:
+        env = make_vec_env("DelayedRecall-v0", n_envs=8, seed=0, env_kwargs=dict(delay=3))
+        model = algo(policy, env, policy_kwargs=policy_kwargs, **kw)
+        model.learn(5000)
+        means.append(np.mean([ep["r"] for ep in model.ep_info_buffer][-50:]))
+    lstm, gru, feed_forward = means
+    assert lstm > 0.8 and gru > 0.8
+    assert feed_forward < 0.5
