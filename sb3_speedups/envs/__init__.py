@@ -3,13 +3,15 @@ Environments shipped with the package, registered with gymnasium on import.
 
 - ``<Name>NoVel-v<N>``: classic-control / Box2D envs with the velocity entries of the observation masked to zero,
   as the RL Zoo registers them (partially observable: memory helps).
+- ``DelayedRecall-v0``: recall a cue shown only at the start of the episode (feed-forward policies stay at chance).
 """
 
 from gymnasium.envs.registration import register, registry
 
+from sb3_speedups.envs.delayed_recall import DelayedRecallEnv
 from sb3_speedups.envs.masked_velocity import VELOCITY_INDICES, MaskVelocityWrapper, make_masked_velocity_env
 
-__all__ = ["VELOCITY_INDICES", "MaskVelocityWrapper", "make_masked_velocity_env", "register_envs"]
+__all__ = ["VELOCITY_INDICES", "DelayedRecallEnv", "MaskVelocityWrapper", "make_masked_velocity_env", "register_envs"]
 
 
 def register_envs() -> None:
@@ -23,6 +25,8 @@ def register_envs() -> None:
                 entry_point="sb3_speedups.envs.masked_velocity:make_masked_velocity_env",
                 kwargs={"base_id": base_id},
             )
+    if "DelayedRecall-v0" not in registry:
+        register(id="DelayedRecall-v0", entry_point="sb3_speedups.envs.delayed_recall:DelayedRecallEnv", max_episode_steps=64)
 
 
 register_envs()

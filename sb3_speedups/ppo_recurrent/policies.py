@@ -1,0 +1,166 @@
+"""
+Recurrent actor-critic policies (LSTM and GRU) whose training pass runs each padded sequence through ONE RNN call.
+
+sb3-contrib's rollout buffer already cuts sequences at episode starts, so inside a training batch an episode can
+only start at a sequence's first step: masking the initial state once is enough and the per-step Python loop of
+``sb3_contrib``'s ``_process_sequence`` is not needed. GRU states keep sb3-contrib's ``(h, c)`` layout, ``c`` unused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch as th
+from gymnasium import spaces
+from sb3_contrib.common.recurrent import policies as contrib
+from stable_baselines3.common.type_aliases import Schedule
+from torch import nn
+
+RNN_TYPES = ("lstm", "gru")
+
+
+def process_sequence(
+    features: th.Tensor, states: tuple[th.Tensor, th.Tensor], episode_starts: th.Tensor, rnn: nn.LSTM | nn.GRU
+) -> tuple[th.Tensor, tuple[th.Tensor, th.Tensor]]:
+    """
+    Run flattened padded sequences through an LSTM or GRU, resetting the state where an episode starts.
+
+    :param features: ``(n_seq * seq_len, features_dim)``, sequence-major
+    :param states: ``(h, c)``, each ``(n_layers, n_seq, hidden)``; ``c`` is passed through unchanged for a GRU
+    :param episode_starts: ``(n_seq * seq_len,)``
+    :param rnn: the recurrent module
+    :return: ``(n_seq * seq_len, hidden)`` outputs and the final states
+    """
+    n_seq = states[0].shape[1]
+    sequence = features.reshape((n_seq, -1, rnn.input_size)).swapaxes(0, 1)
+    starts = episode_starts.reshape((n_seq, -1)).swapaxes(0, 1)
+    if sequence.shape[0] > 1 and bool(starts[1:].any()):
+        # An episode starts inside a sequence (not produced by the rollout buffer): go step by step.
+        outputs = []
+        for t in range(sequence.shape[0]):
+            out, states = process_sequence(sequence[t], states, starts[t], rnn)
+            outputs.append(out)
+        return th.stack(outputs, dim=1).flatten(0, 1), states
+    keep = (1.0 - starts[0]).view(1, n_seq, 1)
+    if isinstance(rnn, nn.GRU):
+        output, hidden = rnn(sequence, keep * states[0])
+        new_states = (hidden, states[1])
+    else:
+        output, new_states = rnn(sequence, (keep * states[0], keep * states[1]))
+    return output.transpose(0, 1).flatten(0, 1), new_states
+
+
+class _FastRecurrentMixin:
+    """Swaps the LSTMs for GRUs when asked and uses :func:`process_sequence`."""
+
+    # sb3-contrib annotates its version as returning two tensors; the states are really a (h, c) tuple.
+    _process_sequence: Any = staticmethod(process_sequence)
+
+    def _use_rnn_type(self, rnn_type: str, lr_schedule: Schedule) -> None:
+        if rnn_type not in RNN_TYPES:
+            raise ValueError(f"rnn_type must be one of {RNN_TYPES}, got {rnn_type!r}")
+        policy: Any = self
+        policy.rnn_type = rnn_type
+        if rnn_type == "lstm":
+            return
+        for name in ("lstm_actor", "lstm_critic"):
+            lstm = getattr(policy, name)
+            if lstm is not None:
+                setattr(
+                    policy, name, nn.GRU(lstm.input_size, lstm.hidden_size, num_layers=lstm.num_layers, **policy.lstm_kwargs)
+                )
+        policy.optimizer = policy.optimizer_class(policy.parameters(), lr=lr_schedule(1), **policy.optimizer_kwargs)
+
+    def _get_constructor_parameters(self) -> dict[str, Any]:
+        data = super()._get_constructor_parameters()  # type: ignore[misc]
+        if getattr(self, "rnn_type", "lstm") != "lstm":
+            data["rnn_type"] = self.rnn_type  # type: ignore[attr-defined]
+        return data
+
+
+class RecurrentActorCriticPolicy(_FastRecurrentMixin, contrib.RecurrentActorCriticPolicy):
+    """
+    :class:`sb3_contrib.common.recurrent.policies.RecurrentActorCriticPolicy` with a one-call training pass.
+
+    :param rnn_type: ``"lstm"`` (default, as sb3-contrib) or ``"gru"`` (3 gates instead of 4: fewer parameters)
+    """
+
+    def __init__(
+        self,
+        observation_space: spaces.Space,
+        action_space: spaces.Space,
+        lr_schedule: Schedule,
+        *args: Any,
+        rnn_type: str = "lstm",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(observation_space, action_space, lr_schedule, *args, **kwargs)
+        self._use_rnn_type(rnn_type, lr_schedule)
+
+
+class RecurrentActorCriticCnnPolicy(_FastRecurrentMixin, contrib.RecurrentActorCriticCnnPolicy):
+    """CNN counterpart of :class:`RecurrentActorCriticPolicy`; ``rnn_type`` as there."""
+
+    def __init__(
+        self,
+        observation_space: spaces.Space,
+        action_space: spaces.Space,
+        lr_schedule: Schedule,
+        *args: Any,
+        rnn_type: str = "lstm",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(observation_space, action_space, lr_schedule, *args, **kwargs)
+        self._use_rnn_type(rnn_type, lr_schedule)
+
+
+class RecurrentMultiInputActorCriticPolicy(_FastRecurrentMixin, contrib.RecurrentMultiInputActorCriticPolicy):
+    """Dict-observation counterpart of :class:`RecurrentActorCriticPolicy`; ``rnn_type`` as there."""
+
+    def __init__(
+        self,
+        observation_space: spaces.Space,
+        action_space: spaces.Space,
+        lr_schedule: Schedule,
+        *args: Any,
+        rnn_type: str = "lstm",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(observation_space, action_space, lr_schedule, *args, **kwargs)
+        self._use_rnn_type(rnn_type, lr_schedule)
+
+
+class MlpGruPolicy(RecurrentActorCriticPolicy):
+    """:class:`RecurrentActorCriticPolicy` with ``rnn_type="gru"``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("rnn_type", "gru")
+        super().__init__(*args, **kwargs)
+
+
+class CnnGruPolicy(RecurrentActorCriticCnnPolicy):
+    """:class:`RecurrentActorCriticCnnPolicy` with ``rnn_type="gru"``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("rnn_type", "gru")
+        super().__init__(*args, **kwargs)
+
+
+class MultiInputGruPolicy(RecurrentMultiInputActorCriticPolicy):
+    """:class:`RecurrentMultiInputActorCriticPolicy` with ``rnn_type="gru"``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("rnn_type", "gru")
+        super().__init__(*args, **kwargs)
+
+
+MlpLstmPolicy = RecurrentActorCriticPolicy
+CnnLstmPolicy = RecurrentActorCriticCnnPolicy
+MultiInputLstmPolicy = RecurrentMultiInputActorCriticPolicy
+
+# sb3-contrib's classes -> ours, so that files saved by either library train with the one-call pass here.
+FAST_POLICIES: dict[type, type] = {
+    contrib.RecurrentActorCriticPolicy: RecurrentActorCriticPolicy,
+    contrib.RecurrentActorCriticCnnPolicy: RecurrentActorCriticCnnPolicy,
+    contrib.RecurrentMultiInputActorCriticPolicy: RecurrentMultiInputActorCriticPolicy,
+}
