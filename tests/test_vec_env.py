@@ -67,10 +67,15 @@ def test_auto_split_same_as_dummy() -> None:
         run_both(ours, DummyVecEnv(fns), n_steps=20)
     finally:
         ours.close()
-    # A cheap env: no split could beat stepping in-process, so no worker is even started.
+    # A cheap env: no split could beat stepping in-process, so no worker is even started (unless the machine's
+    # load inflated the measured step cost; then the rehearsal decides, as above).
     cheap = BatchedSubprocVecEnv(env_fns(N_ENVS), start_method="fork")
     try:
-        assert cheap.n_local == N_ENVS and cheap.worker_pids() == [] and cheap.split_times == {}
+        assert cheap.step_cost is not None
+        if not cheap.split_times:
+            assert cheap.n_local == N_ENVS and cheap.worker_pids() == [] and cheap.split_times == {}
+        else:
+            assert cheap.n_local == min(cheap.split_times, key=lambda k: (cheap.split_times[k], k))
         run_both(cheap, DummyVecEnv(env_fns(N_ENVS)), n_steps=20)
     finally:
         cheap.close()

@@ -22,7 +22,7 @@ from sb3_speedups.tune.config import TunePlan
 from sb3_speedups.tune.search_space import merge_hyperparams
 from sb3_speedups.tune.storage import make_pruner, make_sampler, open_storage, quiet_optuna
 from sb3_speedups.tune.training import TrialJob
-from sb3_speedups.tune.workers import SeedGroup, TrialSlots, describe_error, interrupt_handler
+from sb3_speedups.tune.workers import INTERRUPTED_EXIT_CODE, SeedGroup, TrialSlots, describe_error, interrupt_handler
 
 
 def counts_toward_target(trial: FrozenTrial) -> bool:
@@ -158,7 +158,7 @@ def worker_process_main(worker: int, plan: TunePlan, slots: TrialSlots) -> None:
     try:
         run_worker(worker, plan, slots)
     except KeyboardInterrupt:
-        sys.exit(130)
+        sys.exit(INTERRUPTED_EXIT_CODE)
     except UserError as exc:
         print(f"sb3-speedups tune: worker {worker}: error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)

@@ -35,7 +35,7 @@ from sb3_speedups.tune.storage import (
 )
 from sb3_speedups.tune.training import eval_points
 from sb3_speedups.tune.trials import counts_toward_target, run_worker, worker_process_main
-from sb3_speedups.tune.workers import TrialSlots, interrupt_handler, run_worker_processes
+from sb3_speedups.tune.workers import INTERRUPTED_EXIT_CODE, TrialSlots, interrupt_handler, run_worker_processes
 from sb3_speedups.zoo import runs
 from sb3_speedups.zoo.train import TrainConfig, prepare_experiment
 
@@ -214,6 +214,9 @@ def tune(config: TuneConfig) -> TuneResult:
         elif remaining > 0:
             n_jobs = min(config.n_jobs, remaining)
             codes = run_worker_processes(n_jobs, worker_process_main, (plan, TrialSlots(remaining, shared=True)))
+            if INTERRUPTED_EXIT_CODE in codes:
+                # Ctrl-C reached the workers, and they ended, before this process ran its own signal handler.
+                raise KeyboardInterrupt
             for worker, code in enumerate(codes):
                 if code != 0:
                     print(f"Worker {worker} ended with exit code {code}; its error is printed above", file=sys.stderr)

@@ -23,6 +23,8 @@ from sb3_speedups.tune.training import SeedResult, TrialJob, train_seed
 
 _CONTEXT = multiprocessing.get_context("spawn")
 JOIN_TIMEOUT_S = 60.0
+# Exit code of a worker stopped by SIGINT/SIGTERM (as a shell reports a process ended by Ctrl-C).
+INTERRUPTED_EXIT_CODE = 130
 
 
 class SeedFailed(RuntimeError):
