@@ -56,6 +56,20 @@ class _FastRecurrentMixin:
     # sb3-contrib annotates its version as returning two tensors; the states are really a (h, c) tuple.
     _process_sequence: Any = staticmethod(process_sequence)
 
+    def __init__(
+        self,
+        observation_space: spaces.Space,
+        action_space: spaces.Space,
+        lr_schedule: Schedule,
+        *args: Any,
+        rnn_type: str = "lstm",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(  # type: ignore[call-arg]
+            observation_space, action_space, lr_schedule, *args, **kwargs
+        )
+        self._use_rnn_type(rnn_type, lr_schedule)
+
     def _use_rnn_type(self, rnn_type: str, lr_schedule: Schedule) -> None:
         if rnn_type not in RNN_TYPES:
             raise ValueError(f"rnn_type must be one of {RNN_TYPES}, got {rnn_type!r}")
@@ -85,49 +99,13 @@ class RecurrentActorCriticPolicy(_FastRecurrentMixin, contrib.RecurrentActorCrit
     :param rnn_type: ``"lstm"`` (default, as sb3-contrib) or ``"gru"`` (3 gates instead of 4: fewer parameters)
     """
 
-    def __init__(
-        self,
-        observation_space: spaces.Space,
-        action_space: spaces.Space,
-        lr_schedule: Schedule,
-        *args: Any,
-        rnn_type: str = "lstm",
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(observation_space, action_space, lr_schedule, *args, **kwargs)
-        self._use_rnn_type(rnn_type, lr_schedule)
-
 
 class RecurrentActorCriticCnnPolicy(_FastRecurrentMixin, contrib.RecurrentActorCriticCnnPolicy):
     """CNN counterpart of :class:`RecurrentActorCriticPolicy`; ``rnn_type`` as there."""
 
-    def __init__(
-        self,
-        observation_space: spaces.Space,
-        action_space: spaces.Space,
-        lr_schedule: Schedule,
-        *args: Any,
-        rnn_type: str = "lstm",
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(observation_space, action_space, lr_schedule, *args, **kwargs)
-        self._use_rnn_type(rnn_type, lr_schedule)
-
 
 class RecurrentMultiInputActorCriticPolicy(_FastRecurrentMixin, contrib.RecurrentMultiInputActorCriticPolicy):
     """Dict-observation counterpart of :class:`RecurrentActorCriticPolicy`; ``rnn_type`` as there."""
-
-    def __init__(
-        self,
-        observation_space: spaces.Space,
-        action_space: spaces.Space,
-        lr_schedule: Schedule,
-        *args: Any,
-        rnn_type: str = "lstm",
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(observation_space, action_space, lr_schedule, *args, **kwargs)
-        self._use_rnn_type(rnn_type, lr_schedule)
 
 
 class MlpGruPolicy(RecurrentActorCriticPolicy):
