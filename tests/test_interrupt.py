@@ -1,5 +1,6 @@
 """Ctrl-C (SIGINT) and SIGTERM during training save the model into the run folder (real subprocess)."""
 
+import os
 import signal
 import subprocess
 import time
@@ -7,18 +8,17 @@ from pathlib import Path
 
 import pytest
 from stable_baselines3 import PPO as StockPPO
+from stable_baselines3.common.callbacks import BaseCallback
+
+from sb3_speedups import PPO
+from sb3_speedups.zoo.callbacks import StopOnSignal
 
 from tests.helpers import cli_command, subprocess_env
 
 
 @pytest.mark.parametrize(
     "sig",
-    [
-        # Known intermittent bug: SIGINT (KeyboardInterrupt) sometimes leaves the training process running
-        # (2 of the last 3 CI runs); see the stop note of 2026-12-02.
-        pytest.param(signal.SIGINT, marks=pytest.mark.xfail(reason="SIGINT sometimes does not stop training", strict=False)),
-        signal.SIGTERM,
-    ],
+    [signal.SIGINT, signal.SIGTERM],
 )
 def test_signal_during_training_saves_the_model(log_folder: Path, sig):
     proc = subprocess.Popen(
@@ -60,3 +60,35 @@ def test_signal_during_training_saves_the_model(log_folder: Path, sig):
     model = StockPPO.load(run_dir / "CartPole-v1.zip")
     assert model.num_timesteps > 0
     assert not list(run_dir.glob(".*tmp*"))  # no temporary file left behind
+
+
+class _SignalAt(BaseCallback):
+    """Sends ``sig`` to this process ``times`` times at step ``at``."""
+
+    def __init__(self, sig: signal.Signals, at: int, times: int = 1) -> None:
+        super().__init__()
+        self.sig, self.at, self.times = sig, at, times
+
+    def _on_step(self) -> bool:
+        if self.n_calls == self.at:
+            for _ in range(self.times):
+                os.kill(os.getpid(), self.sig)
+        return True
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_stop_on_signal_ends_learn_at_the_next_step(sig):
+    before = signal.getsignal(sig)
+    model = PPO("MlpPolicy", "CartPole-v1", n_steps=16, batch_size=16, n_epochs=1, seed=0)
+    with StopOnSignal() as stop:
+        model.learn(10_000, callback=[_SignalAt(sig, at=5), stop])
+    assert stop.requested
+    assert model.num_timesteps == 5  # the step that saw the signal is the last one
+    assert signal.getsignal(sig) is before  # the previous handler is back
+
+
+def test_second_signal_interrupts_at_once():
+    model = PPO("MlpPolicy", "CartPole-v1", n_steps=16, batch_size=16, n_epochs=1, seed=0)
+    with StopOnSignal() as stop, pytest.raises(KeyboardInterrupt):
+        model.learn(10_000, callback=[_SignalAt(signal.SIGINT, at=3, times=2), stop])
+    assert stop.requested

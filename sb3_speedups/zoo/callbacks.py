@@ -1,8 +1,11 @@
-"""Callbacks of a training run that write files: all saves atomic."""
+"""Callbacks of a training run: saves (all atomic) and a clean stop on Ctrl-C / SIGTERM."""
 
 from __future__ import annotations
 
+import signal
+import threading
 from pathlib import Path
+from typing import Any
 
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.vec_env import VecNormalize
@@ -54,3 +57,41 @@ class AtomicCheckpointCallback(BaseCallback):
             if self.verbose > 1:
                 print(f"Saving model checkpoint to {path}")
         return True
+
+
+class StopOnSignal(BaseCallback):
+    """
+    Ends ``learn()`` at the next environment step once Ctrl-C (SIGINT) or SIGTERM arrived, so that the model is
+    saved from a consistent state: a ``KeyboardInterrupt`` raised at an arbitrary point can land inside a vec env's
+    step or a worker handshake and leave it unusable. A second signal raises ``KeyboardInterrupt`` at once, for a
+    user who does not want to wait for the current update to finish.
+
+    Use as a context manager around ``learn()``: it installs the handlers (main thread only) and restores the
+    previous ones on exit.
+
+    :param signals: the signals that request the stop
+    """
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
+        super().__init__()
+        self.signals = signals
+        self.requested = False
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.signals}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+
+    def _on_step(self) -> bool:
+        return not self.requested

@@ -23,7 +23,7 @@ from sb3_speedups.errors import UserError
 from sb3_speedups.zoo.evaluation import evaluate
 from sb3_speedups.registry import get_algo
 from sb3_speedups.zoo import runs
-from sb3_speedups.zoo.callbacks import AtomicCheckpointCallback, SaveBestModelCallback
+from sb3_speedups.zoo.callbacks import AtomicCheckpointCallback, SaveBestModelCallback, StopOnSignal
 from sb3_speedups.zoo.envs import check_env_id, is_atari, make_env
 from sb3_speedups.zoo.hyperparams import Hyperparams, preprocess_hyperparams, read_hyperparams
 from sb3_speedups.zoo.validation import validate_model_kwargs
@@ -210,7 +210,8 @@ def save_run(model: BaseAlgorithm, run_dir: Path, env_id: str) -> Path:
 def train(config: TrainConfig) -> TrainResult:
     """
     Run one training: evaluate periodically, save everything into a new run folder, evaluate at the end.
-    Ctrl-C (``KeyboardInterrupt``) stops training early and still saves the model.
+    Ctrl-C or SIGTERM stops training at the next environment step and still saves the model (a second one stops
+    at once, through ``KeyboardInterrupt``).
 
     :param config: the run's settings
     :return: where it saved and the final evaluation
@@ -236,17 +237,20 @@ def train(config: TrainConfig) -> TrainResult:
                 f"seed {experiment.seed}; saving into {run_dir}"
             )
         callbacks = make_callbacks(experiment, run_dir, eval_env if config.eval_freq > 0 else None)
-        try:
-            model.learn(
-                hp.n_timesteps,
-                callback=callbacks,
-                progress_bar=config.progress,
-                reset_num_timesteps=not config.trained_agent,
-            )
-        except KeyboardInterrupt:
-            interrupted = True
-            print(f"Interrupted: saving the model trained so far into {run_dir}")
-        model_path = save_run(model, run_dir, config.env_id)
+        with StopOnSignal() as stop:
+            try:
+                model.learn(
+                    hp.n_timesteps,
+                    callback=[*callbacks, stop],
+                    progress_bar=config.progress,
+                    reset_num_timesteps=not config.trained_agent,
+                )
+            except KeyboardInterrupt:
+                interrupted = True
+            interrupted = interrupted or stop.requested
+            if interrupted:
+                print(f"Interrupted: saving the model trained so far into {run_dir}", flush=True)
+            model_path = save_run(model, run_dir, config.env_id)
         if interrupted:
             return TrainResult(run_dir, model_path, float("nan"), float("nan"), interrupted=True)
         sync_envs_normalization(env, eval_env)
