@@ -16,6 +16,8 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_speedups.common.buffers import PreallocatedRollout
+from sb3_speedups.common.vec_env.stepping import SubsetSteppingMixin
+from sb3_speedups.errors import UserError
 
 
 class Actor(Protocol):
@@ -60,6 +62,44 @@ def bootstrap_timeouts(
     return index, terminal_obs, bootstrap
 
 
+def record_step(
+    model: BaseAlgorithm,
+    env: VecEnv,
+    callback: BaseCallback,
+    rollout_buffer: PreallocatedRollout,
+    actor: Actor,
+    gamma: float,
+    step_locals: dict[str, Any],
+) -> bool:
+    """
+    Everything after one vectorised step: count it, call the callback, log episodes, bootstrap timeouts, store it.
+
+    :param step_locals: the collection loop's locals (``callback.locals``): ``actions``, ``values``, ``log_probs``,
+        ``new_obs``, ``rewards``, ``dones``, ``infos`` of the step
+    :return: ``False`` when a callback stopped training (nothing is stored then, as in SB3)
+    """
+    model.num_timesteps += env.num_envs
+    callback.update_locals(step_locals)
+    if not callback.on_step():
+        return False
+    rewards, dones, infos = step_locals["rewards"], step_locals["dones"], step_locals["infos"]
+    model._update_info_buffer(infos, dones)
+    timeouts = bootstrap_timeouts(actor, rewards, dones, infos, gamma)
+    if timeouts is not None:
+        rollout_buffer.add_timeouts(*timeouts)
+    rollout_buffer.add(
+        model._last_obs,  # type: ignore[arg-type]
+        step_locals["actions"],
+        rewards,
+        model._last_episode_starts,  # type: ignore[arg-type]
+        step_locals["values"],
+        step_locals["log_probs"],
+    )
+    model._last_obs = step_locals["new_obs"]
+    model._last_episode_starts = dones
+    return True
+
+
 def collect_rollout(
     model: BaseAlgorithm,
     env: VecEnv,
@@ -96,18 +136,106 @@ def collect_rollout(
         actions, values, log_probs = actor.act(self._last_obs)
         clipped_actions = actor.env_actions(actions)
         new_obs, rewards, dones, infos = env.step(clipped_actions)
-        self.num_timesteps += env.num_envs
-        callback.update_locals(locals())
-        if not callback.on_step():
+        if not record_step(self, env, callback, rollout_buffer, actor, gamma, locals()):
             return False
-        self._update_info_buffer(infos, dones)
         n_steps += 1
-        timeouts = bootstrap_timeouts(actor, rewards, dones, infos, gamma)
-        if timeouts is not None:
-            rollout_buffer.add_timeouts(*timeouts)
-        rollout_buffer.add(self._last_obs, actions, rewards, self._last_episode_starts, values, log_probs)
-        self._last_obs = new_obs  # type: ignore[assignment]
-        self._last_episode_starts = dones
+    values = actor.predict_values(new_obs)
+    rollout_buffer.set_last_observations(new_obs)
+    rollout_buffer.compute_returns_and_advantage(last_values=values, dones=dones)
+    callback.update_locals(locals())
+    callback.on_rollout_end()
+    return True
+
+
+def take(obs: Any, indices: np.ndarray) -> Any:
+    """:return: the rows ``indices`` of a batch of observations (an array or a dict of arrays)"""
+    if isinstance(obs, dict):
+        return {key: value[indices] for key, value in obs.items()}
+    return obs[indices]
+
+
+def _join(parts: list[Any]) -> Any:
+    if isinstance(parts[0], dict):
+        return {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+    if isinstance(parts[0], th.Tensor):
+        return th.cat(parts)
+    if isinstance(parts[0], list):
+        return [item for part in parts for item in part]
+    return np.concatenate(parts)
+
+
+def double_buffer_unsupported_reason(model: BaseAlgorithm, env: VecEnv) -> str | None:
+    """:return: why :func:`collect_rollout_double_buffered` cannot collect from ``env``, or ``None`` when it can"""
+    if not isinstance(env, SubsetSteppingMixin):
+        return (
+            f"the training env is a {type(env).__name__}: double_buffer=True needs a BatchedSubprocVecEnv as the "
+            "training env itself (no VecEnv wrapper such as VecNormalize around it)"
+        )
+    if model.use_sde:
+        return "double_buffer=True does not support gSDE (its exploration noise is drawn for all envs at once)"
+    try:
+        env.halves()
+    except UserError as exc:
+        return f"double_buffer=True: {exc}"
+    return None
+
+
+def collect_rollout_double_buffered(
+    model: BaseAlgorithm,
+    env: VecEnv,
+    callback: BaseCallback,
+    rollout_buffer: PreallocatedRollout,
+    n_rollout_steps: int,
+    actor: Actor,
+    gamma: float,
+) -> bool:
+    """
+    :func:`collect_rollout` with the envs split in two halves that step in turn: while one half steps (in its worker
+    processes), the policy acts for the other, so env time and inference time overlap.
+
+    The frozen policy acts for every env from the same observations as in :func:`collect_rollout`, and a whole
+    vectorised step is assembled before the callback and the buffer see it, so the rollout is the same. Random draws
+    come in the same order (half A, then half B, per step); categorical sampling draws the same numbers for any batch
+    size, so with ``Discrete``/``MultiDiscrete``/``MultiBinary`` actions the rollout is identical to the plain one for
+    one seed; torch's Gaussian sampler draws differently for batches under 16 numbers, so ``Box`` actions are
+    equally distributed but not the same numbers. Nothing is stepped beyond the rollout's last step, so the next
+    rollout starts from the updated policy. If a callback stops training, the step already started for the next
+    actions is finished (not recorded) and ``_last_obs`` follows the envs.
+
+    :return: ``False`` when a callback stopped training
+    """
+    self = model  # callbacks may read ``locals()["self"]``, as in SB3's loop
+    assert self._last_obs is not None, "No previous observation was provided"
+    assert isinstance(env, SubsetSteppingMixin)
+    self.policy.set_training_mode(False)
+    halves = env.halves()
+    n_steps = 0
+    rollout_buffer.reset()
+    callback.on_rollout_start()
+
+    def launch(indices: np.ndarray, obs: Any) -> tuple[np.ndarray, th.Tensor, th.Tensor, np.ndarray]:
+        actions, values, log_probs = actor.act(obs)
+        clipped = actor.env_actions(actions)
+        env.step_async_indices(clipped, indices)
+        return actions, values, log_probs, clipped
+
+    started = [launch(indices, take(self._last_obs, indices)) for indices in halves]
+    while n_steps < n_rollout_steps:
+        results, next_started = [], []
+        for indices in halves:
+            results.append(env.step_wait_indices(indices))
+            if n_steps + 1 < n_rollout_steps:
+                next_started.append(launch(indices, results[-1][0]))
+        actions, values, log_probs, clipped_actions = (_join(list(part)) for part in zip(*started, strict=True))
+        new_obs, rewards, dones, infos = (_join(list(part)) for part in zip(*results, strict=True))
+        started = next_started
+        if not record_step(self, env, callback, rollout_buffer, actor, gamma, locals()):
+            if started:  # finish the steps already under way, so the envs stay usable
+                finished = [env.step_wait_indices(indices) for indices in halves]
+                self._last_obs = _join([result[0] for result in finished])
+                self._last_episode_starts = _join([result[2] for result in finished])
+            return False
+        n_steps += 1
     values = actor.predict_values(new_obs)
     rollout_buffer.set_last_observations(new_obs)
     rollout_buffer.compute_returns_and_advantage(last_values=values, dones=dones)

@@ -35,7 +35,7 @@ from sb3_speedups.common.fast_mlp import mlp_unsupported_reason
 from sb3_speedups.common.heads import make_head
 from sb3_speedups.common.inference import LeanActorCritic, ModuleActorCritic
 from sb3_speedups.common.minibatches import MinibatchSampler
-from sb3_speedups.common.on_policy import collect_rollout
+from sb3_speedups.common.on_policy import collect_rollout, collect_rollout_double_buffered, double_buffer_unsupported_reason
 from sb3_speedups.common.optim import adam_unsupported_reason
 from sb3_speedups.common.ppo_update import (
     CLIP_FRACTION,
@@ -85,6 +85,9 @@ class PPO(stable_baselines3.PPO):
         ``device``: training on the GPU, acting on the CPU); ``"auto"`` acts on the training device
     :param fast_update: use the hand-derived update for MLP policies (``False`` forces the autograd update)
     :param compile_loss: ``torch.compile`` the autograd update's loss (it only pays on long runs)
+    :param double_buffer: collect with the envs in two halves that step in turn, the policy acting for one half while
+        the other steps (:func:`~sb3_speedups.common.on_policy.collect_rollout_double_buffered`); needs a
+        :class:`~sb3_speedups.BatchedSubprocVecEnv` training env with at least two groups of envs
     """
 
     def __init__(
@@ -100,6 +103,7 @@ class PPO(stable_baselines3.PPO):
         inference_device: str = "cpu",
         fast_update: bool = True,
         compile_loss: bool = False,
+        double_buffer: bool = False,
         _init_setup_model: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -121,6 +125,7 @@ class PPO(stable_baselines3.PPO):
         self.inference_device = inference_device
         self.fast_update = fast_update
         self.compile_loss = compile_loss
+        self.double_buffer = double_buffer
         self._speedups: _Speedups | None = None
         if _init_setup_model:
             self._setup_model()
@@ -203,7 +208,12 @@ class PPO(stable_baselines3.PPO):
         self, env: VecEnv, callback: BaseCallback, rollout_buffer: RolloutBuffer, n_rollout_steps: int
     ) -> bool:
         if not isinstance(rollout_buffer, PreallocatedRollout):
+            if self.double_buffer:
+                raise UserError(f"double_buffer=True needs the default rollout buffer, not {type(rollout_buffer).__name__}")
             return super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps)
+        reason = double_buffer_unsupported_reason(self, env) if self.double_buffer else None
+        if reason is not None:
+            raise UserError(reason)
         speed = self._ensure_speedups()
         speed.actor.sync()
         progress = self._current_progress_remaining
@@ -212,7 +222,8 @@ class PPO(stable_baselines3.PPO):
         if self._gae_lambda_schedule is not None:
             self.gae_lambda = float(self._gae_lambda_schedule(progress))
         rollout_buffer.gamma, rollout_buffer.gae_lambda = self.gamma, self.gae_lambda
-        return collect_rollout(self, env, callback, rollout_buffer, n_rollout_steps, speed.actor, self.gamma)
+        collect = collect_rollout_double_buffered if self.double_buffer else collect_rollout
+        return collect(self, env, callback, rollout_buffer, n_rollout_steps, speed.actor, self.gamma)
 
     # ----- update -------------------------------------------------------------------------------------------------
 
