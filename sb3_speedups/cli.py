@@ -113,8 +113,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--variants",
         nargs="+",
         default=["ours", "stock"],
-        choices=VARIANTS,
-        help="ours: our class; stock: stock class, torch defaults; stock-1t: stock, 1 thread + fused Adam",
+        help=f"{', '.join(VARIANTS)}; ours: our class; stock: stock class, torch defaults; stock-1t: stock, 1 thread + "
+        "fused Adam; add @<vec env> to give one variant its own VecEnv (ours@batched ours@dummy)",
     )
     parser.add_argument("-conf", "--conf-file", default=None, help="hyperparameters file of every variant")
     parser.add_argument("--ours-conf-file", default=None, help="a different hyperparameters file for ours only")

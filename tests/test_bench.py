@@ -24,6 +24,21 @@ def test_runs_alternate_abba():
         plan_runs(BenchConfig("ppo", "CartPole-v1", variants=["ours", "fastest"]))
 
 
+def test_a_variant_can_choose_its_vec_env():
+    runs = plan_runs(BenchConfig("ppo", "CartPole-v1", seeds=[0], variants=["ours@batched", "ours@dummy", "stock"]))
+    assert [(r.variant, r.vec_env) for r in runs] == [("ours@batched", "batched"), ("ours@dummy", "dummy"), ("stock", "dummy")]
+    with pytest.raises(UserError, match="unknown VecEnv"):
+        plan_runs(BenchConfig("ppo", "CartPole-v1", variants=["ours@fastest"]))
+    with pytest.raises(UserError, match="repeat"):
+        plan_runs(BenchConfig("ppo", "CartPole-v1", variants=["ours", "ours"]))
+    records = [_record("ours@batched", s, to_target=s) for s in (1.0, 2.0)] + [
+        _record("ours@dummy", s, to_target=s) for s in (3.0, 5.0)
+    ]
+    summary = summarize(records, ["ours@batched", "ours@dummy"])
+    assert summary["reference"] == "ours@batched" and summary["speedup"]["ours@dummy"] == pytest.approx(4.0 / 1.5)
+    assert "| ours@batched | " in format_table(summary) and "| 2.67x |" in format_table(summary)
+
+
 def _record(variant, seconds, reached=True, to_target=1.0):
     return {
         "variant": variant,

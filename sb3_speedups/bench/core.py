@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sb3_speedups.bench.worker import VARIANTS, BenchRun
+from sb3_speedups.bench.worker import VARIANTS, BenchRun, split_variant
 from sb3_speedups.errors import UserError
 
 
@@ -23,7 +23,8 @@ class BenchConfig:
     :param env_id: gymnasium id
     :param n_timesteps: budget per run (``-1``: the YAML's)
     :param seeds: seeds; every variant runs every seed
-    :param variants: variants to compare, ``ours`` first (see :data:`~sb3_speedups.bench.worker.VARIANTS`)
+    :param variants: variants to compare, ``ours`` first (see :data:`~sb3_speedups.bench.worker.VARIANTS`); a variant
+        may pick its own training VecEnv with ``@kind`` (``ours@batched``, ``ours@dummy``)
     :param conf_file: hyperparameters file of every variant (``None``: bundled)
     :param ours_conf_file: a different file for ``ours`` only (e.g. a recommended faster-learning config)
     :param hyperparams: overrides for every variant
@@ -72,14 +73,23 @@ def plan_runs(config: BenchConfig) -> list[BenchRun]:
     The runs in the order they execute: per seed all variants, the order reversed every other seed (ABBA) so a
     drift in machine speed hits every variant alike.
     """
-    unknown = [v for v in config.variants if v not in VARIANTS]
+    from sb3_speedups.zoo.envs import VEC_ENV_CLASSES
+
+    unknown = [v for v in config.variants if split_variant(v)[0] not in VARIANTS]
     if unknown or not config.variants:
-        raise UserError(f"unknown benchmark variant(s) {unknown}; choose from: {', '.join(VARIANTS)}")
+        raise UserError(f"unknown benchmark variant(s) {unknown}; choose from: {', '.join(VARIANTS)} (optionally @<vec env>)")
+    bad_vec = [v for v in config.variants if split_variant(v)[1] not in (None, *VEC_ENV_CLASSES)]
+    if bad_vec:
+        kinds = ", ".join(VEC_ENV_CLASSES)
+        raise UserError(f"unknown VecEnv in benchmark variant(s) {bad_vec}; after '@' use one of: {kinds}")
+    if len(set(config.variants)) != len(config.variants):
+        raise UserError(f"benchmark variants repeat: {config.variants}")
     runs = []
     for i, seed in enumerate(config.seeds):
         order = config.variants if i % 2 == 0 else list(reversed(config.variants))
         for variant in order:
-            conf = config.ours_conf_file if variant == "ours" and config.ours_conf_file else config.conf_file
+            base, vec_env = split_variant(variant)
+            conf = config.ours_conf_file if base == "ours" and config.ours_conf_file else config.conf_file
             runs.append(
                 BenchRun(
                     variant=variant,
@@ -89,7 +99,7 @@ def plan_runs(config: BenchConfig) -> list[BenchRun]:
                     n_timesteps=config.n_timesteps,
                     conf_file=conf,
                     hyperparams=config.hyperparams,
-                    vec_env=config.vec_env,
+                    vec_env=vec_env or config.vec_env,
                     device=config.device,
                     eval_episodes=config.eval_episodes,
                     curve_points=config.curve_points,
@@ -125,9 +135,12 @@ def summarize(records: list[dict[str, Any]], variants: list[str]) -> dict[str, A
             "success_rate": sum(r["reached_target"] for r in rows) / len(rows),
             "median_time_to_target": statistics.median(to_target),
         }
-    ours = summary["variants"].get("ours")
+    # Ratios are against the first ``ours`` variant (``ours`` or e.g. ``ours@batched``).
+    reference = next((v for v in summary["variants"] if split_variant(v)[0] == "ours"), None)
+    summary["reference"] = reference
+    ours = summary["variants"].get(reference) if reference else None
     for variant, stats in summary["variants"].items():
-        if ours is None or variant == "ours":
+        if ours is None or variant == reference:
             continue
         key = "median_time_to_target" if records and records[0]["target_return"] is not None else "median_learn_seconds"
         summary["speedup"][variant] = stats[key] / ours[key]

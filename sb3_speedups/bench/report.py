@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+_SPARE_COLORS = ("tab:blue", "tab:purple", "tab:brown", "tab:pink", "tab:gray", "tab:olive", "tab:cyan")
+
 
 def format_table(summary: dict[str, Any], target: bool = False) -> str:
     """
@@ -19,7 +21,8 @@ def format_table(summary: dict[str, Any], target: bool = False) -> str:
         header += " success |"
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for variant, stats in summary["variants"].items():
-        speedup = "1.00x" if variant == "ours" else f"{summary['speedup'].get(variant, float('nan')):.2f}x"
+        ratio = 1.0 if variant == summary.get("reference", "ours") else summary["speedup"].get(variant, float("nan"))
+        speedup = f"{ratio:.2f}x"
         returns = ", ".join(f"{r:.0f}" for r in stats["final_returns"])
         name = stats["class"].rsplit(".", 1)[-1]
         row = (
@@ -57,7 +60,9 @@ def plot_curves(records: list[dict[str, Any]], path: str | Path, title: str = ""
         seconds, _, returns = zip(*record["curve"], strict=True)
         variant = record["variant"]
         label = None if variant in seen else variant
-        ax.plot(seconds, returns, marker="o", color=colors.get(variant, "tab:blue"), alpha=0.8, label=label)
+        if variant not in colors:  # e.g. ``ours@batched``: the next colour not taken yet
+            colors[variant] = next(c for c in _SPARE_COLORS if c not in colors.values())
+        ax.plot(seconds, returns, marker="o", color=colors[variant], alpha=0.8, label=label)
         seen.add(variant)
     ax.set_xlabel("wall-clock seconds in learn() (evaluation excluded)")
     ax.set_ylabel("mean evaluation return (deterministic)")

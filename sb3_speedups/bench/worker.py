@@ -19,14 +19,21 @@ from stable_baselines3.common.vec_env import VecEnv, sync_envs_normalization
 from sb3_speedups.zoo.evaluation import evaluate
 
 # Variants: ours (our class, its own defaults), stock (stock class, torch defaults), stock-1t (stock class with
-# 1 torch thread and fused Adam: the best a user gets from stock SB3 by configuration alone).
+# 1 torch thread and fused Adam: the best a user gets from stock SB3 by configuration alone). A variant may name the
+# training VecEnv after an ``@`` (``ours@batched`` vs ``ours@dummy``), overriding ``--vec-env`` for it.
 VARIANTS = ("ours", "stock", "stock-1t")
+
+
+def split_variant(variant: str) -> tuple[str, str | None]:
+    """:return: ``(base variant, VecEnv kind or None)`` of ``"ours"`` / ``"ours@batched"``"""
+    base, _, vec_env = variant.partition("@")
+    return base, vec_env or None
 
 
 @dataclass
 class BenchRun:
     """
-    :param variant: one of :data:`VARIANTS`
+    :param variant: one of :data:`VARIANTS`, optionally with ``@<vec env kind>`` (the VecEnv is then in ``vec_env``)
     :param algo: RL-Zoo algorithm name
     :param env_id: gymnasium id
     :param seed: seed of model and envs
@@ -123,22 +130,23 @@ def run(bench: BenchRun) -> dict[str, Any]:
     from sb3_speedups.zoo.envs import make_env
     from sb3_speedups.zoo.train import TrainConfig, create_model, prepare_experiment
 
-    if bench.variant not in VARIANTS:
+    variant, _ = split_variant(bench.variant)
+    if variant not in VARIANTS:
         raise ValueError(f"unknown variant {bench.variant!r}; choose one of {VARIANTS}")
-    stock = bench.variant != "ours"
+    stock = variant != "ours"
     config = TrainConfig(
         algo=bench.algo, env_id=bench.env_id, n_timesteps=bench.n_timesteps, seed=bench.seed, conf_file=bench.conf_file,
         hyperparams=dict(bench.hyperparams), vec_env=bench.vec_env, device=bench.device, verbose=0, stock=stock,
     )  # fmt: skip
     experiment = prepare_experiment(config)
-    if bench.variant == "stock-1t":
+    if variant == "stock-1t":
         th.set_num_threads(1)
     hp = experiment.hyperparams
     env = make_env(bench.env_id, hp, hp.n_envs, bench.seed, vec_env=bench.vec_env)
     eval_env = make_env(bench.env_id, hp, 1, bench.seed + 1000, eval_env=True)
     try:
         model = create_model(experiment, env)
-        if bench.variant == "stock-1t":
+        if variant == "stock-1t":
             use_fused_adam(model)
         every = max(hp.n_timesteps // bench.curve_points, 1) if bench.curve_points > 0 else hp.n_timesteps + 1
         curve = LearningCurveCallback(eval_env, every, max(bench.eval_episodes // 2, 1), bench.target_return)
