@@ -9,7 +9,11 @@ from sb3_speedups.common.vec_env import BatchedSubprocVecEnv
 __version__ = "0.1.0"
 
 # Algorithms are imported on first use, so that ``import sb3_speedups`` (and ``sb3-speedups --help``) stays fast.
-_LAZY = {"PPO": "sb3_speedups.ppo:PPO", "RecurrentPPO": "sb3_speedups.ppo_recurrent:RecurrentPPO"}
+_LAZY = {
+    "PPO": "sb3_speedups.ppo:PPO",
+    "DQN": "sb3_speedups.dqn:DQN",
+    "RecurrentPPO": "sb3_speedups.ppo_recurrent:RecurrentPPO",
+}
 
 __all__ = ["BatchedSubprocVecEnv", "__version__", "make_vec_env", *_LAZY]
 

@@ -64,7 +64,7 @@ ALGOS: dict[str, AlgoSpec] = {
     spec.name: spec
     for spec in (
         AlgoSpec("ppo", "stable_baselines3:PPO", fast="sb3_speedups.ppo:PPO", sampler="sb3_speedups.tune.spaces:ppo_space"),
-        AlgoSpec("dqn", "stable_baselines3:DQN", sampler="sb3_speedups.tune.spaces:dqn_space"),
+        AlgoSpec("dqn", "stable_baselines3:DQN", fast="sb3_speedups.dqn:DQN", sampler="sb3_speedups.tune.spaces:dqn_space"),
         AlgoSpec(
             "ppo_lstm",
             "sb3_contrib:RecurrentPPO",

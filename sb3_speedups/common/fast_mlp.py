@@ -52,7 +52,7 @@ def activation_backward_(grad: th.Tensor, y: th.Tensor, kind: str) -> th.Tensor:
     return th.ops.aten.tanh_backward.grad_input(grad, y, grad_input=grad)
 
 
-def _linear_layers(seq: nn.Module) -> tuple[list[nn.Linear], str | None] | None:
+def linear_layers(seq: nn.Module) -> tuple[list[nn.Linear], str | None] | None:
     """:return: the ``Linear`` layers of ``Linear, act, Linear, act, ...`` and the activation kind, or ``None``"""
     modules = list(seq.children()) if isinstance(seq, nn.Sequential) else None
     if modules is None or len(modules) % 2:
@@ -78,7 +78,7 @@ def mlp_unsupported_reason(policy: nn.Module) -> str | None:
         policy.vf_features_extractor, FlattenExtractor
     ):
         return "features extractor is not FlattenExtractor"
-    pi, vf = _linear_layers(policy.mlp_extractor.policy_net), _linear_layers(policy.mlp_extractor.value_net)
+    pi, vf = linear_layers(policy.mlp_extractor.policy_net), linear_layers(policy.mlp_extractor.value_net)
     if pi is None or vf is None:
         return "mlp_extractor is not Linear layers with a Tanh or ReLU activation"
     if pi[1] and vf[1] and pi[1] != vf[1]:
@@ -114,7 +114,7 @@ def flat_layout(policy: ActorCriticPolicy) -> list[th.Tensor]:
     return layout + [p for p in policy.parameters() if all(p is not q for q in layout)]
 
 
-class _Chain:
+class MlpChain:
     """``G`` equally shaped MLPs (the pi/vf pair when stacked, else one) as ``[G, out, in]`` weight views."""
 
     def __init__(self, flat: FlatParameters, layers: list[list[nn.Linear]], kind: str | None) -> None:
@@ -178,8 +178,8 @@ class ActorCriticMlp:
         reason = mlp_unsupported_reason(policy)
         if reason is not None:
             raise ValueError(reason)
-        pi, pi_kind = _linear_layers(policy.mlp_extractor.policy_net)  # type: ignore[misc]
-        vf, vf_kind = _linear_layers(policy.mlp_extractor.value_net)  # type: ignore[misc]
+        pi, pi_kind = linear_layers(policy.mlp_extractor.policy_net)  # type: ignore[misc]
+        vf, vf_kind = linear_layers(policy.mlp_extractor.value_net)  # type: ignore[misc]
         self.stacked = stackable(pi, vf)
         layout = flat_layout(policy)
         action_net, value_net = policy.action_net, policy.value_net
@@ -189,9 +189,9 @@ class ActorCriticMlp:
         self.flat = FlatParameters(params, layout)
         kind = pi_kind or vf_kind
         self.chains = (
-            [_Chain(self.flat, [pi, vf], kind)]
+            [MlpChain(self.flat, [pi, vf], kind)]
             if self.stacked
-            else [_Chain(self.flat, [pi], kind), _Chain(self.flat, [vf], kind)]
+            else [MlpChain(self.flat, [pi], kind), MlpChain(self.flat, [vf], kind)]
         )
         self.action_weight, self.action_bias, self.value_weight, self.value_bias = (self.flat.data_of(p) for p in heads)
         self.grad_heads = [self.flat.grad_of(p) for p in heads]

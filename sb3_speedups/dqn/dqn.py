@@ -1,0 +1,267 @@
+"""
+DQN as in Stable-Baselines3, faster, with modern replay options. What differs from stock, and why it is faster:
+
+- ``train()`` samples all of its minibatches at once (the same global-RNG draws as stock, then one gather and one
+  tensor conversion: :mod:`sb3_speedups.common.replay_sampling`) and computes every TD target with one forward of
+  the target network (it is constant inside ``train()``: SB3 updates it in ``_on_step``);
+- each gradient step is :class:`~sb3_speedups.common.q_update.ManualQUpdate` for MLP Q-networks (hand-derived
+  gradients, flat parameters, fused Adam, no host sync), else the autograd
+  :class:`~sb3_speedups.common.q_update.AutogradQUpdate`; the loss is logged once per ``train()``;
+- actions come from a plain-tensor copy of the Q-network (:class:`~sb3_speedups.common.inference.LeanMlp`), one
+  call for all envs, synced once per rollout;
+- torch runs on one CPU thread unless the user chose otherwise.
+
+Options, off by default so that the defaults are stock SB3 DQN: ``double_q``, ``combined_replay``, dueling heads
+(``policy_kwargs=dict(dueling=True)``), and prioritised replay (any ``replay_buffer_class`` with ``update_priorities``,
+e.g. :class:`sb3_speedups.common.replay_buffers.PrioritizedReplayBuffer`); n-step returns as stock (``n_steps``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import stable_baselines3
+import torch as th
+from stable_baselines3.common.noise import ActionNoise
+from stable_baselines3.common.type_aliases import ReplayBufferSamples
+
+from sb3_speedups.common.inference import LeanMlp, ParameterMirror
+from sb3_speedups.common.q_update import AutogradQUpdate, ManualQUpdate, q_mlp_unsupported_reason
+from sb3_speedups.common.replay_sampling import batchable, batched_sampling_supported, chunk_sizes, sample_minibatches
+from sb3_speedups.common.torch_utils import apply_num_threads
+from sb3_speedups.dqn.policies import DUELING_POLICIES
+from sb3_speedups.errors import UserError
+
+SelfDQN = TypeVar("SelfDQN", bound="DQN")
+
+
+@dataclass
+class _Speedups:
+    """Speed-only state, rebuilt when the policy or its optimizer state is replaced (never saved)."""
+
+    updater: ManualQUpdate | AutogradQUpdate
+    fallback_reason: str | None
+    mirror: ParameterMirror | None
+    actor: LeanMlp | None
+
+
+class DQN(stable_baselines3.DQN):
+    """
+    Deep Q-Network, a drop-in for :class:`stable_baselines3.DQN` (same arguments, ``learn``, ``predict``, saved
+    files); see :class:`stable_baselines3.DQN` for every argument not listed here. ``policy_kwargs`` may hold
+    ``dueling=True`` for dueling heads (:mod:`sb3_speedups.dqn.policies`).
+
+    :param double_q: Double DQN targets (van Hasselt et al. 2016): the online network picks the next action, the
+        target network values it
+    :param combined_replay: combined experience replay (Zhang & Sutton 2017): the newest transition of every env is
+        part of every minibatch (needs the stock ``ReplayBuffer``)
+    :param per_final_beta: with a prioritised replay buffer (one with ``update_priorities`` and ``beta``), its
+        ``beta`` goes linearly from its initial value to this over training
+    :param num_threads: torch CPU threads; ``None`` keeps a value the user set, else uses the package default (1)
+    :param fast_update: use the hand-derived update for MLP Q-networks (``False`` forces the autograd update)
+    """
+
+    def __init__(
+        self,
+        policy: Any,
+        env: Any,
+        *,
+        double_q: bool = False,
+        combined_replay: bool = False,
+        per_final_beta: float = 1.0,
+        num_threads: int | None = None,
+        fast_update: bool = True,
+        _init_setup_model: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        policy_kwargs = dict(kwargs.pop("policy_kwargs", None) or {})
+        dueling = policy_kwargs.pop("dueling", False)
+        if dueling:
+            if isinstance(policy, str):
+                if policy not in DUELING_POLICIES:
+                    raise UserError(
+                        f"dueling=True is not available for policy {policy!r}: use one of {list(DUELING_POLICIES)}"
+                    )
+                policy = DUELING_POLICIES[policy]
+            policy_kwargs["dueling"] = True
+        super().__init__(policy, env, policy_kwargs=policy_kwargs or None, _init_setup_model=False, **kwargs)
+        if not 0.0 <= per_final_beta <= 1.0:
+            raise UserError(f"per_final_beta={per_final_beta} is invalid: use a value in [0, 1]")
+        self.double_q = double_q
+        self.combined_replay = combined_replay
+        self.per_final_beta = per_final_beta
+        self.num_threads = num_threads
+        self.fast_update = fast_update
+        self._per_initial_beta: float | None = None
+        self._speedups: _Speedups | None = None
+        if _init_setup_model:
+            self._setup_model()
+
+    def _setup_model(self) -> None:
+        apply_num_threads(self.num_threads)
+        super()._setup_model()
+        if (
+            self.combined_replay
+            and not _is_prioritized(self.replay_buffer)
+            and not batched_sampling_supported(self.replay_buffer)
+        ):
+            raise UserError(
+                f"combined_replay=True needs the stock ReplayBuffer, not {type(self.replay_buffer).__name__}: "
+                "drop replay_buffer_class or combined_replay"
+            )
+        self._speedups = None
+
+    def _excluded_save_params(self) -> list[str]:
+        return [*super()._excluded_save_params(), "_speedups"]
+
+    # ----- speed-only state ---------------------------------------------------------------------------------------
+
+    def fast_path_unsupported_reason(self) -> str | None:
+        """:return: why the hand-derived update cannot run this model (so the autograd one does), or ``None``"""
+        if not self.fast_update:
+            return "fast_update=False"
+        return q_mlp_unsupported_reason(self.policy)
+
+    def _ensure_speedups(self) -> _Speedups:
+        speed = self._speedups
+        if speed is not None and speed.updater.policy is self.policy and speed.updater.is_bound():
+            return speed
+        reason = self.fast_path_unsupported_reason()
+        updater: ManualQUpdate | AutogradQUpdate = AutogradQUpdate(self.policy) if reason else ManualQUpdate(self.policy)
+        mirror, actor = None, None
+        if reason is None:
+            params = list(self.q_net.parameters())
+            mirror = ParameterMirror(params, "cpu")
+            lookup = {id(p): c for p, c in zip(params, mirror.copies, strict=True)}
+            actor = LeanMlp.from_module(self.q_net.q_net, lambda t: lookup[id(t)])
+        elif self.verbose >= 1:
+            print(f"sb3_speedups DQN: using the autograd update ({reason})")
+        self._speedups = _Speedups(updater, reason, mirror, actor)
+        return self._speedups
+
+    # ----- collection ---------------------------------------------------------------------------------------------
+
+    def collect_rollouts(self, *args: Any, **kwargs: Any) -> Any:
+        speed = self._ensure_speedups()
+        if speed.mirror is not None:
+            speed.mirror.sync()
+        return super().collect_rollouts(*args, **kwargs)
+
+    def _sample_action(
+        self, learning_starts: int, action_noise: ActionNoise | None = None, n_envs: int = 1
+    ) -> tuple[np.ndarray, np.ndarray]:
+        speed = self._speedups
+        if speed is None or speed.actor is None or self.num_timesteps < learning_starts or self._last_obs is None:
+            return super()._sample_action(learning_starts, action_noise, n_envs)
+        # stock DQN.predict(deterministic=False): one draw decides for all envs of this step
+        if np.random.rand() < self.exploration_rate:
+            actions = np.array([self.action_space.sample() for _ in range(n_envs)])
+        else:
+            obs = np.asarray(self._last_obs)
+            with th.inference_mode():
+                q = speed.actor(th.as_tensor(obs).reshape(obs.shape[0], -1).float())
+                actions = q.argmax(dim=1).numpy()
+        return actions, actions
+
+    # ----- update -------------------------------------------------------------------------------------------------
+
+    def _targets(
+        self, data: ReplayBufferSamples, next_q_target: th.Tensor, updater: ManualQUpdate | AutogradQUpdate
+    ) -> th.Tensor:
+        """:return: the TD targets ``r + (1 - done) * discount * Q_target(s', a')`` for one minibatch"""
+        if self.double_q:
+            next_actions = updater.q_values(data.next_observations).argmax(dim=1, keepdim=True)
+            next_q = next_q_target.gather(1, next_actions)
+        else:
+            next_q = next_q_target.max(dim=1, keepdim=True).values
+        discounts = data.discounts if data.discounts is not None else self.gamma
+        return data.rewards + (1 - data.dones) * discounts * next_q
+
+    def train(self, gradient_steps: int, batch_size: int = 100) -> None:
+        """Update the Q-network on ``gradient_steps`` minibatches: SB3's DQN loss, minus its per-step overheads."""
+        speed = self._ensure_speedups()
+        self.policy.set_training_mode(True)
+        self._update_learning_rate(self.policy.optimizer)
+        losses = th.empty(gradient_steps, device=self.device)
+        if _is_prioritized(self.replay_buffer):
+            self._train_prioritized(speed.updater, gradient_steps, batch_size, losses)
+        elif batchable(self.replay_buffer):
+            self._train_batched(speed.updater, gradient_steps, batch_size, losses)
+        else:
+            for i in range(gradient_steps):
+                data = self.replay_buffer.sample(batch_size, env=self._vec_normalize_env)  # type: ignore[union-attr]
+                self._step(speed.updater, data, None, losses[i])
+        self._n_updates += gradient_steps
+        if speed.mirror is not None:
+            speed.mirror.sync()
+        self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
+        self.logger.record("train/loss", float(losses.double().mean()))
+
+    def _step(
+        self,
+        updater: ManualQUpdate | AutogradQUpdate,
+        data: ReplayBufferSamples,
+        weights: th.Tensor | None,
+        loss_out: th.Tensor,
+        next_q_target: th.Tensor | None = None,
+    ) -> th.Tensor:
+        if next_q_target is None:
+            with th.no_grad():
+                next_q_target = self.q_net_target(data.next_observations)
+        with th.no_grad():
+            target = self._targets(data, next_q_target, updater)
+        return updater.step(data.observations, data.actions, target, weights, self.max_grad_norm, loss_out)
+
+    def _train_batched(
+        self, updater: ManualQUpdate | AutogradQUpdate, gradient_steps: int, batch_size: int, losses: th.Tensor
+    ) -> None:
+        buffer = self.replay_buffer
+        assert buffer is not None
+        done = 0
+        for n in chunk_sizes(gradient_steps, batch_size, buffer):
+            data = sample_minibatches(buffer, batch_size, n, self._vec_normalize_env, combined=self.combined_replay)
+            with th.no_grad():
+                next_q_all = self.q_net_target(data.next_observations)
+            for k in range(n):
+                rows = slice(k * batch_size, (k + 1) * batch_size)
+                minibatch = ReplayBufferSamples(*(None if x is None else x[rows] for x in data))
+                self._step(updater, minibatch, None, losses[done + k], next_q_all[rows])
+            done += n
+
+    def _train_prioritized(
+        self, updater: ManualQUpdate | AutogradQUpdate, gradient_steps: int, batch_size: int, losses: th.Tensor
+    ) -> None:
+        buffer: Any = self.replay_buffer
+        if self._per_initial_beta is None:
+            self._per_initial_beta = float(buffer.beta)
+        beta0 = self._per_initial_beta
+        buffer.beta = beta0 + (self.per_final_beta - beta0) * (1.0 - self._current_progress_remaining)
+        for i in range(gradient_steps):
+            data = buffer.sample(batch_size, env=self._vec_normalize_env)
+            if self.combined_replay:
+                data = _combine_newest(buffer, data)
+            base = ReplayBufferSamples(*(getattr(data, f) for f in ReplayBufferSamples._fields))
+            td = self._step(updater, base, data.weights, losses[i])
+            buffer.update_priorities(data.indices, td.abs().reshape(-1).cpu().numpy())
+
+
+def _is_prioritized(buffer: object) -> bool:
+    return hasattr(buffer, "update_priorities") and hasattr(buffer, "beta")
+
+
+def _combine_newest(buffer: Any, data: Any) -> Any:
+    """Put the newest transitions (one per env) in the first rows of a prioritised minibatch, with weight 1."""
+    newest = buffer.newest_samples()
+    rows = min(newest.observations.shape[0], data.observations.shape[0])
+    fields = {}
+    for name in data._fields:
+        value, new = getattr(data, name), getattr(newest, name)
+        if value is None:
+            fields[name] = None
+            continue
+        value = value.copy() if isinstance(value, np.ndarray) else value.clone()
+        value[:rows] = new[:rows]
+        fields[name] = value
+    return type(data)(**fields)

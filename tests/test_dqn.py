@@ -1,0 +1,255 @@
+"""Our DQN against stock SB3's: same first updates, interchangeable saves, the replay options, the fallbacks."""
+
+import numpy as np
+import pytest
+import stable_baselines3
+import torch as th
+from stable_baselines3.common.buffers import ReplayBuffer
+from stable_baselines3.common.env_util import make_vec_env
+from stable_baselines3.common.envs import SimpleMultiObsEnv
+from stable_baselines3.common.evaluation import evaluate_policy
+from stable_baselines3.common.type_aliases import ReplayBufferSamples
+from stable_baselines3.common.vec_env import VecNormalize
+
+from sb3_speedups import DQN
+from sb3_speedups.common.q_update import AutogradQUpdate, ManualQUpdate
+from sb3_speedups.common.replay_sampling import draw_indices, gather, newest_indices, sample_minibatches
+from sb3_speedups.dqn.policies import DuelingMlpPolicy, DuelingQNetwork
+from sb3_speedups.errors import UserError
+from sb3_speedups.registry import get_algo
+
+SMALL = dict(
+    learning_rate=2.3e-3,
+    batch_size=32,
+    buffer_size=5_000,
+    learning_starts=200,
+    target_update_interval=10,
+    train_freq=64,
+    gradient_steps=16,
+    exploration_fraction=0.3,
+    exploration_final_eps=0.05,
+    policy_kwargs=dict(net_arch=[32, 32]),
+)
+
+
+def _pair(n_envs: int = 1, steps: int = 700, **extra):
+    models = []
+    for cls in (DQN, stablebaselines_dqn()):
+        env = make_vec_env("CartPole-v1", n_envs=n_envs, seed=3)
+        model = cls("MlpPolicy", env, seed=3, **{**SMALL, **extra})
+        model.learn(steps)
+        models.append(model)
+    return models
+
+
+def stablebaselines_dqn() -> type:
+    return stable_baselines3.DQN
+
+
+def _max_param_diff(a, b) -> float:
+    sa, sb = a.policy.state_dict(), b.policy.state_dict()
+    assert sa.keys() == sb.keys()
+    return max((sa[k] - sb[k]).abs().max().item() for k in sa)
+
+
+@pytest.mark.parametrize("n_envs, extra", [(1, {}), (4, {}), (1, {"n_steps": 3}), (2, {"optimize_memory_usage": True})])
+def test_defaults_equal_stock_first_updates(n_envs, extra):
+    if extra.get("optimize_memory_usage"):
+        extra = {**extra, "replay_buffer_kwargs": dict(handle_timeout_termination=False)}
+    ours, stock = _pair(n_envs, **extra)
+    assert isinstance(ours._speedups.updater, ManualQUpdate)
+    assert ours._n_updates == stock._n_updates > 0
+    assert ours.num_timesteps == stock.num_timesteps
+    assert _max_param_diff(ours, stock) < 1e-5
+    np.testing.assert_array_equal(ours.replay_buffer.actions, stock.replay_buffer.actions)
+
+
+def test_fast_update_matches_autograd_update_with_weights():
+    env = make_vec_env("CartPole-v1", n_envs=2, seed=1)
+    models = [DQN("MlpPolicy", env, seed=1, fast_update=fast, **SMALL) for fast in (True, False)]
+    gen = th.Generator().manual_seed(0)
+    obs, target = th.randn(32, 4, generator=gen), th.randn(32, 1, generator=gen)
+    actions, weights = th.randint(0, 2, (32, 1), generator=gen), th.rand(32, 1, generator=gen)
+    models[1].policy.load_state_dict(models[0].policy.state_dict())
+    tds = []
+    for model in models:
+        updater = model._ensure_speedups().updater
+        loss = th.zeros(())
+        for _ in range(3):
+            td = updater.step(obs, actions, target, weights, 0.5, loss)
+        tds.append((td, loss))
+    assert isinstance(models[0]._speedups.updater, ManualQUpdate)
+    assert isinstance(models[1]._speedups.updater, AutogradQUpdate)
+    assert _max_param_diff(*models) < 1e-6
+    th.testing.assert_close(tds[0][0], tds[1][0])
+    th.testing.assert_close(tds[0][1], tds[1][1])
+
+
+def test_saves_load_both_ways(tmp_path):
+    ours, stock = _pair()
+    obs = ours.env.reset()
+    ours.save(tmp_path / "ours")
+    loaded = stable_baselines3.DQN.load(tmp_path / "ours")
+    np.testing.assert_array_equal(loaded.predict(obs, deterministic=True)[0], ours.predict(obs, deterministic=True)[0])
+    stock.save(tmp_path / "stock")
+    into_ours = DQN.load(tmp_path / "stock", env=make_vec_env("CartPole-v1", n_envs=1, seed=0))
+    assert _max_param_diff(into_ours, stock) == 0
+    into_ours.learn(300, reset_num_timesteps=False)
+    assert into_ours._n_updates > stock._n_updates
+
+
+def test_replay_buffer_save_load_round_trip(tmp_path):
+    ours, _ = _pair(steps=300)
+    ours.save_replay_buffer(tmp_path / "buffer")
+    fresh = DQN("MlpPolicy", "CartPole-v1", **SMALL)
+    fresh.load_replay_buffer(tmp_path / "buffer")
+    assert fresh.replay_buffer.pos == ours.replay_buffer.pos
+    np.testing.assert_array_equal(fresh.replay_buffer.observations, ours.replay_buffer.observations)
+
+
+def test_batched_sampling_equals_stock_samples():
+    ours, _ = _pair(n_envs=3, steps=300)
+    buffer = ours.replay_buffer
+    np.random.seed(5)
+    stock = [buffer.sample(16) for _ in range(4)]
+    np.random.seed(5)
+    batched = sample_minibatches(buffer, 16, 4)
+    for i, field in enumerate(ReplayBufferSamples._fields[:5]):
+        th.testing.assert_close(batched[i], th.cat([s[i] for s in stock]), msg=field)
+
+
+def test_combined_replay_always_holds_the_newest_transitions():
+    buffer = ReplayBuffer(7, make_vec_env("CartPole-v1").observation_space, make_vec_env("CartPole-v1").action_space, n_envs=2)
+    for t in range(11):  # wraps around
+        obs = np.full((2, 4), t, dtype=np.float32)
+        buffer.add(obs, obs + 0.5, np.array([[t % 2], [1 - t % 2]]), np.array([t, -t]), np.zeros(2), [{}, {}])
+        batch = sample_minibatches(buffer, 5, 3, combined=True)
+        obs_rows = batch.observations.reshape(3, 5, 4)
+        for k in range(3):
+            assert obs_rows[k, 0, 0] == t and obs_rows[k, 1, 0] == t
+            assert batch.rewards.reshape(3, 5)[k, 0] == t and batch.rewards.reshape(3, 5)[k, 1] == -t
+    draw = newest_indices(buffer)
+    assert buffer.full and draw.batch_inds.tolist() == [(11 - 1) % buffer.buffer_size] * 2
+
+
+def test_combined_replay_trains_and_refuses_other_buffers():
+    model = DQN("MlpPolicy", "CartPole-v1", combined_replay=True, seed=0, **SMALL)
+    model.learn(400)
+    assert model._n_updates > 0
+    with pytest.raises(UserError, match="combined_replay"):
+        DQN("MlpPolicy", "CartPole-v1", combined_replay=True, n_steps=3, **SMALL)
+
+
+def test_double_q_targets_by_hand():
+    model = DQN("MlpPolicy", "CartPole-v1", double_q=True, gamma=0.9, seed=0, **SMALL)
+    updater = model._ensure_speedups().updater
+    gen = th.Generator().manual_seed(1)
+    next_obs = th.randn(6, 4, generator=gen)
+    data = ReplayBufferSamples(
+        th.zeros(6, 4), th.zeros(6, 1), next_obs, th.tensor([[0.0], [1.0], [0.0], [0.0], [1.0], [0.0]]), th.ones(6, 1)
+    )
+    # Make the target network differ from the online one, so that Double DQN and DQN targets differ.
+    with th.no_grad():
+        for p in model.q_net_target.parameters():
+            p.add_(th.randn(p.shape, generator=gen))
+        next_q_target = model.q_net_target(next_obs)
+        online = model.q_net(next_obs)
+    target = model._targets(data, next_q_target, updater)
+    expected = [1.0 + (1 - float(data.dones[i])) * 0.9 * float(next_q_target[i, int(online[i].argmax())]) for i in range(6)]
+    np.testing.assert_allclose(target.reshape(-1).numpy(), expected, rtol=1e-5)
+    model.double_q = False
+    plain = model._targets(data, next_q_target, updater)
+    np.testing.assert_allclose(
+        plain.reshape(-1).numpy(),
+        [1.0 + (1 - float(data.dones[i])) * 0.9 * float(next_q_target[i].max()) for i in range(6)],
+        rtol=1e-5,
+    )
+
+
+def test_dueling_heads_by_hand_and_save(tmp_path):
+    model = DQN("MlpPolicy", "CartPole-v1", seed=0, **{**SMALL, "policy_kwargs": dict(net_arch=[16, 8], dueling=True)})
+    assert isinstance(model.policy, DuelingMlpPolicy) and isinstance(model.q_net, DuelingQNetwork)
+    assert isinstance(model._ensure_speedups().updater, AutogradQUpdate)
+    q_net = model.q_net
+    obs = th.randn(5, 4)
+    with th.no_grad():
+        trunk = q_net.q_net(obs)
+        value, adv = q_net.value_stream(trunk), q_net.advantage_stream(trunk)
+        th.testing.assert_close(q_net(obs), value + adv - adv.mean(dim=1, keepdim=True))
+    assert [m.out_features for m in q_net.value_stream if isinstance(m, th.nn.Linear)] == [8, 1]
+    model.learn(400)
+    model.save(tmp_path / "dueling")
+    loaded = DQN.load(tmp_path / "dueling")
+    assert isinstance(loaded.q_net, DuelingQNetwork)
+    th.testing.assert_close(loaded.q_net(obs), model.q_net(obs))
+    plain = DQN("MlpPolicy", "CartPole-v1", **{**SMALL, "policy_kwargs": dict(net_arch=[16], dueling=False)})
+    assert type(plain.policy) is stable_baselines3.dqn.policies.DQNPolicy
+
+
+def test_multi_env_actions_are_one_batched_greedy_call():
+    model = DQN("MlpPolicy", make_vec_env("CartPole-v1", n_envs=4, seed=0), seed=0, **SMALL)
+    model.learn(400)
+    obs = model.env.reset()
+    model._last_obs = obs
+    model.exploration_rate = 0.0
+    actions, buffer_actions = model._sample_action(learning_starts=0, n_envs=4)
+    np.testing.assert_array_equal(actions, model.policy.predict(obs, deterministic=True)[0])
+    assert actions.shape == (4,) and buffer_actions is actions
+
+
+def test_fallbacks_still_train():
+    dict_model = DQN("MultiInputPolicy", SimpleMultiObsEnv(random_start=False), seed=0, **{**SMALL, "learning_starts": 50})
+    dict_model.learn(200)
+    assert isinstance(dict_model._speedups.updater, AutogradQUpdate) and dict_model._n_updates > 0
+    env = VecNormalize(make_vec_env("CartPole-v1", n_envs=2, seed=0))
+    norm_model = DQN("MlpPolicy", env, seed=0, **SMALL)
+    norm_model.learn(400)
+    assert norm_model._n_updates > 0
+
+
+def test_bad_options_and_cli_registry():
+    with pytest.raises(UserError, match="per_final_beta"):
+        DQN("MlpPolicy", "CartPole-v1", per_final_beta=2.0)
+    with pytest.raises(UserError, match="dueling"):
+        DQN("NoSuchPolicy", "CartPole-v1", policy_kwargs=dict(dueling=True))
+    assert get_algo("dqn").cls() is DQN
+
+
+def test_index_draws_match_sample_with_optimize_memory():
+    env = make_vec_env("CartPole-v1", n_envs=2)
+    buffer = ReplayBuffer(
+        50, env.observation_space, env.action_space, n_envs=2, optimize_memory_usage=True, handle_timeout_termination=False
+    )
+    obs = env.reset()
+    for _ in range(70):
+        actions = np.array([env.action_space.sample() for _ in range(2)])
+        new_obs, rewards, dones, infos = env.step(actions)
+        buffer.add(obs, new_obs, actions, rewards, dones, infos)
+        obs = new_obs
+    np.random.seed(2)
+    stock = buffer.sample(20)
+    np.random.seed(2)
+    ours = gather(buffer, draw_indices(buffer, 20, 1))
+    for a, b in zip(ours[:5], stock[:5], strict=True):
+        th.testing.assert_close(a, b)
+
+
+def test_learns_cartpole():
+    model = DQN(
+        "MlpPolicy",
+        "CartPole-v1",
+        seed=0,
+        **{
+            **SMALL,
+            "batch_size": 64,
+            "buffer_size": 20_000,
+            "learning_starts": 1000,
+            "gradient_steps": 32,
+            "exploration_fraction": 0.16,
+            "exploration_final_eps": 0.04,
+            "policy_kwargs": dict(net_arch=[64, 64]),
+        },
+    )
+    model.learn(10_000)
+    mean, _ = evaluate_policy(model, model.get_env(), n_eval_episodes=5)
+    assert mean >= 100  # a random policy scores ~20
