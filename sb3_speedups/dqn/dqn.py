@@ -165,6 +165,25 @@ class DQN(stable_baselines3.DQN):
                 actions = q.argmax(dim=1).numpy()
         return actions, actions
 
+    def _on_step(self) -> None:
+        if self.tau != 1.0:
+            return super()._on_step()
+        # A hard target update is one fused copy instead of SB3's per-tensor scale-and-add (same values).
+        self._n_calls += 1
+        if self._n_calls % max(self.target_update_interval // self.n_envs, 1) == 0:
+            with th.no_grad():
+                th._foreach_copy_(self._target_params, self._online_params)
+        self.exploration_rate = self.exploration_schedule(self._current_progress_remaining)
+        self.logger.record("rollout/exploration_rate", self.exploration_rate)
+
+    @property
+    def _online_params(self) -> list[th.Tensor]:
+        return [*self.q_net.parameters(), *self.batch_norm_stats]
+
+    @property
+    def _target_params(self) -> list[th.Tensor]:
+        return [*self.q_net_target.parameters(), *self.batch_norm_stats_target]
+
     # ----- update -------------------------------------------------------------------------------------------------
 
     def _targets(
