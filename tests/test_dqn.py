@@ -253,3 +253,27 @@ def test_learns_cartpole():
     model.learn(10_000)
     mean, _ = evaluate_policy(model, model.get_env(), n_eval_episodes=5)
     assert mean >= 100  # a random policy scores ~20
+
+
+def test_prioritized_replay_trains_with_weights_and_priorities():
+    from sb3_speedups.common.replay_buffers import PrioritizedReplayBuffer
+
+    model = DQN(
+        "MlpPolicy",
+        "CartPole-v1",
+        seed=0,
+        replay_buffer_class=PrioritizedReplayBuffer,
+        n_steps=3,
+        **{**SMALL, "buffer_size": 600},
+    )
+    buffer = model.replay_buffer
+    assert isinstance(buffer, PrioritizedReplayBuffer) and buffer.n_steps == 3 and model.n_steps == 3
+    model.learn(500)
+    priorities = buffer.tree.get(np.arange(buffer.pos))
+    assert model._n_updates > 0 and len(np.unique(priorities)) > 10  # updated from TD errors
+    assert 0.4 < buffer.beta <= 1.0  # annealed towards 1
+    combined = DQN(
+        "MlpPolicy", "CartPole-v1", seed=0, replay_buffer_class=PrioritizedReplayBuffer, combined_replay=True, **SMALL
+    )
+    combined.learn(300)
+    assert combined._n_updates > 0

@@ -19,7 +19,7 @@ e.g. :class:`sb3_speedups.common.replay_buffers.PrioritizedReplayBuffer`); n-ste
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import stable_baselines3
@@ -29,6 +29,7 @@ from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
 from sb3_speedups.common.inference import LeanMlp, ParameterMirror
 from sb3_speedups.common.q_update import AutogradQUpdate, ManualQUpdate, q_mlp_unsupported_reason
+from sb3_speedups.common.replay_buffers import PrioritizedReplayBuffer
 from sb3_speedups.common.replay_sampling import batchable, batched_sampling_supported, chunk_sizes, sample_minibatches
 from sb3_speedups.common.torch_utils import apply_num_threads
 from sb3_speedups.dqn.policies import DUELING_POLICIES
@@ -63,6 +64,9 @@ class DQN(stable_baselines3.DQN):
     :param fast_update: use the hand-derived update for MLP Q-networks (``False`` forces the autograd update)
     """
 
+    #: ``policy_kwargs`` keys this class reads beyond the policy's own arguments (for the tuner's checks)
+    extra_policy_kwargs: ClassVar[frozenset[str]] = frozenset({"dueling"})
+
     def __init__(
         self,
         policy: Any,
@@ -86,7 +90,20 @@ class DQN(stable_baselines3.DQN):
                     )
                 policy = DUELING_POLICIES[policy]
             policy_kwargs["dueling"] = True
-        super().__init__(policy, env, policy_kwargs=policy_kwargs or None, _init_setup_model=False, **kwargs)
+        n_steps = int(kwargs.pop("n_steps", 1))
+        buffer_class = kwargs.get("replay_buffer_class")
+        if n_steps > 1 and isinstance(buffer_class, type) and issubclass(buffer_class, PrioritizedReplayBuffer):
+            # SB3 only wires n_steps into its own NStepReplayBuffer; the prioritised one computes the same returns.
+            buffer_kwargs = dict(kwargs.get("replay_buffer_kwargs") or {})
+            buffer_kwargs.setdefault("n_steps", n_steps)
+            buffer_kwargs.setdefault("gamma", kwargs.get("gamma", 0.99))
+            kwargs["replay_buffer_kwargs"] = buffer_kwargs
+            super().__init__(policy, env, policy_kwargs=policy_kwargs or None, _init_setup_model=False, **kwargs)
+            self.n_steps = n_steps
+        else:
+            super().__init__(
+                policy, env, policy_kwargs=policy_kwargs or None, n_steps=n_steps, _init_setup_model=False, **kwargs
+            )
         if not 0.0 <= per_final_beta <= 1.0:
             raise UserError(f"per_final_beta={per_final_beta} is invalid: use a value in [0, 1]")
         self.double_q = double_q
@@ -101,7 +118,13 @@ class DQN(stable_baselines3.DQN):
 
     def _setup_model(self) -> None:
         apply_num_threads(self.num_threads)
-        super()._setup_model()
+        n_steps = self.n_steps
+        if isinstance(self.replay_buffer_class, type) and issubclass(self.replay_buffer_class, PrioritizedReplayBuffer):
+            self.n_steps = 1  # the buffer has them (see __init__); SB3 would warn that they are ignored
+        try:
+            super()._setup_model()
+        finally:
+            self.n_steps = n_steps
         if (
             self.combined_replay
             and not _is_prioritized(self.replay_buffer)
@@ -256,7 +279,8 @@ class DQN(stable_baselines3.DQN):
         if self._per_initial_beta is None:
             self._per_initial_beta = float(buffer.beta)
         beta0 = self._per_initial_beta
-        buffer.beta = beta0 + (self.per_final_beta - beta0) * (1.0 - self._current_progress_remaining)
+        done = min(max(1.0 - self._current_progress_remaining, 0.0), 1.0)
+        buffer.beta = beta0 + (self.per_final_beta - beta0) * done
         for i in range(gradient_steps):
             data = buffer.sample(batch_size, env=self._vec_normalize_env)
             if self.combined_replay:

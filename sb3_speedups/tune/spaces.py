@@ -13,7 +13,7 @@ from sb3_speedups.registry import import_object
 from sb3_speedups.tune.search_space import Param, SearchSpace, policy_class
 from sb3_speedups.zoo.validation import accepted_kwargs
 
-PRIORITIZED_REPLAY = "sb3_speedups.common.buffers.PrioritizedReplayBuffer"
+PRIORITIZED_REPLAY = "sb3_speedups.common.replay_buffers.PrioritizedReplayBuffer"
 
 
 def _params(*params: Param) -> dict[str, Param]:
@@ -111,11 +111,17 @@ def dqn_space(algo_cls: type, hyperparams: dict[str, Any]) -> SearchSpace:
     for option in ("double_q", "combined_replay"):
         if option in accepted:
             params.update(_params(Param(option, choices=(False, True))))
-    if _policy_accepts(algo_cls, hyperparams, "dueling"):
+    if "dueling" in getattr(algo_cls, "extra_policy_kwargs", ()) or _policy_accepts(algo_cls, hyperparams, "dueling"):
         params.update(_params(Param("policy_kwargs.dueling", choices=(False, True))))
     if _ours(algo_cls) and _importable(PRIORITIZED_REPLAY):
         params.update(_params(Param("replay_buffer_class", choices=(None, PRIORITIZED_REPLAY))))
-    return SearchSpace(params, constraints=[_limit_gradient_steps])
+    return SearchSpace(params, constraints=[_limit_gradient_steps, _combined_replay_one_step])
+
+
+def _combined_replay_one_step(hp: dict[str, Any]) -> None:
+    """Combined replay needs a one-step buffer (SB3's n-step buffer cannot be gathered at given indices)."""
+    if hp.get("combined_replay") and int(hp.get("n_steps", 1)) > 1 and hp.get("replay_buffer_class") is None:
+        hp["combined_replay"] = False
 
 
 def _ours(algo_cls: type) -> bool:
