@@ -277,3 +277,19 @@ def test_prioritized_replay_trains_with_weights_and_priorities():
     )
     combined.learn(300)
     assert combined._n_updates > 0
+
+
+def test_bundled_fast_config_and_prioritized_yaml_build_our_options():
+    from pathlib import Path
+
+    from sb3_speedups.zoo.envs import make_env
+    from sb3_speedups.zoo.train import TrainConfig, create_model, prepare_experiment
+
+    conf = Path(__file__).resolve().parents[1] / "hyperparams" / "dqn_fast.yml"
+    experiment = prepare_experiment(TrainConfig("dqn", "CartPole-v1", n_timesteps=100, seed=0, conf_file=str(conf)))
+    model = create_model(experiment, make_env("CartPole-v1", experiment.hyperparams, 1, seed=0))
+    assert isinstance(model, DQN) and model.double_q
+    overrides = {"replay_buffer_class": "PrioritizedReplayBuffer", "combined_replay": True}
+    experiment = prepare_experiment(TrainConfig("dqn", "CartPole-v1", n_timesteps=100, seed=0, hyperparams=overrides))
+    model = create_model(experiment, make_env("CartPole-v1", experiment.hyperparams, 1, seed=0))
+    assert type(model.replay_buffer).__name__ == "PrioritizedReplayBuffer" and model.combined_replay
