@@ -76,6 +76,7 @@ class ManualQUpdate:
         self.adam = FlatAdam(self.flat, policy.optimizer)
         self.chain = MlpChain(self.flat, [hidden], kind)
         out = modules[-1]
+        assert isinstance(out, nn.Linear)
         self.w_out, self.b_out = self.flat.data_of(out.weight), self.flat.data_of(out.bias)
         self.gw_out, self.gb_out = self.flat.grad_of(out.weight), self.flat.grad_of(out.bias)
 

@@ -88,14 +88,14 @@ def gather(buffer: ReplayBuffer, draw: IndexDraw, env: VecNormalize | None = Non
         (buffer.dones[b, e] * (1 - buffer.timeouts[b, e])).reshape(-1, 1),
         buffer._normalize_reward(buffer.rewards[b, e].reshape(-1, 1), env),
     )
-    return ReplayBufferSamples(*(buffer.to_torch(x) for x in data))
+    return ReplayBufferSamples(*(buffer.to_torch(x) for x in data))  # type: ignore[arg-type]
 
 
 def _concat(samples: list[ReplayBufferSamples]) -> ReplayBufferSamples:
     fields = []
     for values in zip(*samples, strict=True):
         fields.append(None if values[0] is None else th.cat(values))
-    return ReplayBufferSamples(*fields)
+    return ReplayBufferSamples(*fields)  # type: ignore[arg-type]
 
 
 def sample_minibatches(

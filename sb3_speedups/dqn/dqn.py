@@ -268,7 +268,7 @@ class DQN(stable_baselines3.DQN):
                 next_q_all = self.q_net_target(data.next_observations)
             for k in range(n):
                 rows = slice(k * batch_size, (k + 1) * batch_size)
-                minibatch = ReplayBufferSamples(*(None if x is None else x[rows] for x in data))
+                minibatch = ReplayBufferSamples(*(None if x is None else x[rows] for x in data))  # type: ignore[arg-type]
                 self._step(updater, minibatch, None, losses[done + k], next_q_all[rows])
             done += n
 
@@ -298,7 +298,7 @@ def _combine_newest(buffer: Any, data: Any) -> Any:
     """Put the newest transitions (one per env) in the first rows of a prioritised minibatch, with weight 1."""
     newest = buffer.newest_samples()
     rows = min(newest.observations.shape[0], data.observations.shape[0])
-    fields = {}
+    fields: dict[str, Any] = {}
     for name in data._fields:
         value, new = getattr(data, name), getattr(newest, name)
         if value is None:

@@ -30,7 +30,7 @@ class DuelingQNetwork(QNetwork):
         stream = self.net_arch[-1:]
         trunk_dim = shared[-1] if shared else self.features_dim
         # Replaces the stock single stream built by QNetwork.__init__.
-        self.q_net = nn.Sequential(*create_mlp(self.features_dim, -1, shared, self.activation_fn)) if shared else nn.Identity()
+        self.q_net = nn.Sequential(*create_mlp(self.features_dim, -1, shared, self.activation_fn)) if shared else nn.Identity()  # type: ignore[assignment]
         self.value_stream = nn.Sequential(*create_mlp(trunk_dim, 1, stream, self.activation_fn))
         self.advantage_stream = nn.Sequential(*create_mlp(trunk_dim, n_actions, stream, self.activation_fn))
 

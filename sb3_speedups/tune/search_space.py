@@ -289,6 +289,6 @@ def check_space_names(space: SearchSpace, algo_cls: type, base: dict[str, Any], 
         head, _, tail = target_key(name).partition(".")
         if head not in model_keys:
             raise UserError(f"search space: {algo} ({algo_cls.__name__}) has no hyperparameter {head!r} (from {name!r})")
-        extra = getattr(algo_cls, "extra_policy_kwargs", frozenset())
+        extra: frozenset[str] = getattr(algo_cls, "extra_policy_kwargs", frozenset())
         if head == "policy_kwargs" and tail and policy_cls is not None and tail not in accepted_kwargs(policy_cls) | extra:
             raise UserError(f"search space: policy {policy_cls.__name__} has no keyword {tail!r} (from {name!r})")
