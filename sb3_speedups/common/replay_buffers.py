@@ -22,6 +22,9 @@ from stable_baselines3.common.vec_env import VecNormalize
 from sb3_speedups.common.sum_tree import SumTree
 
 
+_STORAGE = ("observations", "next_observations", "actions", "rewards", "dones", "timeouts")
+
+
 class PrioritizedReplayBufferSamples(NamedTuple):
     """``ReplayBufferSamples``' fields, in the same order, plus the importance-sampling weights and leaf ids."""
 
@@ -184,6 +187,9 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         gather = NStepReplayBuffer._get_samples if self.n_steps > 1 else ReplayBuffer._get_samples
         if self.n_envs == 1:
             return gather(self, batch_inds, env)  # type: ignore[arg-type]
+        if self.n_steps == 1 and not self.optimize_memory_usage:
+            # One-step samples read a single row, so one flat (position * n_envs + env) view serves all envs at once.
+            return gather(self._flat_view(), batch_inds * self.n_envs + env_inds, env)  # type: ignore[arg-type]
         order = np.argsort(env_inds, kind="stable")
         envs, starts = np.unique(env_inds[order], return_index=True)
         groups = np.split(order, starts[1:])
@@ -193,14 +199,28 @@ class PrioritizedReplayBuffer(ReplayBuffer):
             *(None if parts[0][k] is None else th.cat([p[k] for p in parts])[inverse] for k in range(len(parts[0])))
         )
 
-    def _env_view(self, env_index: int) -> PrioritizedReplayBuffer:
-        """A shallow copy whose storage arrays are views of one env's column, so SB3's env draw can only pick it."""
+    def _shallow_view(self) -> PrioritizedReplayBuffer:
         view = object.__new__(type(self))
         view.__dict__.update(self.__dict__)
         view.n_envs = 1
-        for name in ("observations", "next_observations", "actions", "rewards", "dones", "timeouts"):
+        return view
+
+    def _env_view(self, env_index: int) -> PrioritizedReplayBuffer:
+        """A shallow copy whose storage arrays are views of one env's column, so SB3's env draw can only pick it."""
+        view = self._shallow_view()
+        for name in _STORAGE:
             if name in self.__dict__:
                 setattr(view, name, self.__dict__[name][:, env_index : env_index + 1])
+        return view
+
+    def _flat_view(self) -> PrioritizedReplayBuffer:
+        """A shallow copy whose storage arrays are ``[buffer_size * n_envs, 1, ...]`` views, indexed by leaf id."""
+        view = self._shallow_view()
+        view.buffer_size = self.buffer_size * self.n_envs
+        for name in _STORAGE:
+            if name in self.__dict__:
+                array = self.__dict__[name]
+                setattr(view, name, array.reshape(view.buffer_size, 1, *array.shape[2:]))
         return view
 
 
