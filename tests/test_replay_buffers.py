@@ -137,16 +137,35 @@ def test_new_transitions_get_max_priority_and_updates_change_sampling():
     assert buffer.tree.get(np.array([3]))[0] == pytest.approx(5.0 + 1e-6)
 
 
-def test_optimize_memory_usage_never_samples_the_overwritten_slot():
+@pytest.mark.parametrize("n_envs", [1, 3])
+def test_optimize_memory_usage_never_samples_the_overwritten_slot(n_envs):
     np.random.seed(2)
     buffer = PrioritizedReplayBuffer(
-        6, OBS_SPACE, ACT_SPACE, device="cpu", optimize_memory_usage=True, handle_timeout_termination=False
+        6 * n_envs,
+        OBS_SPACE,
+        ACT_SPACE,
+        device="cpu",
+        n_envs=n_envs,
+        optimize_memory_usage=True,
+        handle_timeout_termination=False,
     )
-    _fill(buffer, 9)  # full, pos == 3: the transition at slot 3 has lost its observation
+    _fill(buffer, 9)  # full, pos == 3: the transitions at slot 3 have lost their observations
     samples = buffer.sample(2000)
-    assert 3 not in samples.indices
-    assert set(samples.indices) == {0, 1, 2, 4, 5}
+    assert set(samples.indices // n_envs) == {0, 1, 2, 4, 5}
+    assert set(samples.indices % n_envs) == set(range(n_envs))
     np.testing.assert_array_equal(samples.next_observations[:, 0].numpy(), samples.observations[:, 0].numpy() + 1)
+    np.testing.assert_array_equal(samples.observations[:, 1].numpy(), samples.indices % n_envs)
+    with pytest.raises(ValueError, match="optimize_memory_usage"):
+        PrioritizedReplayBuffer(
+            6, OBS_SPACE, ACT_SPACE, optimize_memory_usage=True, handle_timeout_termination=False, n_steps=3
+        )
+
+
+def test_stock_dqn_n_steps_argument_with_custom_buffer_class():
+    # Stock SB3 only forwards n_steps to its own NStepReplayBuffer: with a custom class it warns and builds 1-step.
+    with pytest.warns(UserWarning, match="n_steps=3"):
+        model = DQN("MlpPolicy", "CartPole-v1", n_steps=3, replay_buffer_class=PrioritizedReplayBuffer, device="cpu")
+    assert isinstance(model.replay_buffer, PrioritizedReplayBuffer) and model.replay_buffer.n_steps == 1
 
 
 @pytest.mark.parametrize("n_envs", [1, 3])
