@@ -10,6 +10,7 @@ view of the storage, because SB3's ``_get_samples`` chooses env indices at rando
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -184,20 +185,23 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         :param env: VecNormalize wrapper to normalise observations and rewards, as in SB3
         :return: The samples, in the order of the given indices
         """
-        gather = NStepReplayBuffer._get_samples if self.n_steps > 1 else ReplayBuffer._get_samples
+        gather: Callable[[Any, np.ndarray, VecNormalize | None], ReplayBufferSamples] = (
+            NStepReplayBuffer._get_samples if self.n_steps > 1 else ReplayBuffer._get_samples
+        )
         if self.n_envs == 1:
-            return gather(self, batch_inds, env)  # type: ignore[arg-type]
+            return gather(self, batch_inds, env)
         if self.n_steps == 1 and not self.optimize_memory_usage:
             # One-step samples read a single row, so one flat (position * n_envs + env) view serves all envs at once.
-            return gather(self._flat_view(), batch_inds * self.n_envs + env_inds, env)  # type: ignore[arg-type]
+            return gather(self._flat_view(), batch_inds * self.n_envs + env_inds, env)
         order = np.argsort(env_inds, kind="stable")
         envs, starts = np.unique(env_inds[order], return_index=True)
         groups = np.split(order, starts[1:])
         parts = [gather(self._env_view(int(e)), batch_inds[group], env) for e, group in zip(envs, groups, strict=True)]
         inverse = th.as_tensor(np.argsort(order, kind="stable"), device=self.device)
-        return ReplayBufferSamples(
-            *(None if parts[0][k] is None else th.cat([p[k] for p in parts])[inverse] for k in range(len(parts[0])))
-        )
+        fields: list[th.Tensor | None] = [
+            None if parts[0][k] is None else th.cat([p[k] for p in parts])[inverse] for k in range(len(parts[0]))
+        ]
+        return ReplayBufferSamples(*fields)  # type: ignore[arg-type]
 
     def _shallow_view(self) -> PrioritizedReplayBuffer:
         view = object.__new__(type(self))
