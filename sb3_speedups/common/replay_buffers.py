@@ -198,9 +198,8 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         groups = np.split(order, starts[1:])
         parts = [gather(self._env_view(int(e)), batch_inds[group], env) for e, group in zip(envs, groups, strict=True)]
         inverse = th.as_tensor(np.argsort(order, kind="stable"), device=self.device)
-        fields: list[th.Tensor | None] = [
-            None if parts[0][k] is None else th.cat([p[k] for p in parts])[inverse] for k in range(len(parts[0]))
-        ]
+        # zip(*parts) yields each field across groups; only ``discounts`` can be None, and then it is None in all of them.
+        fields = [None if values[0] is None else th.cat(values)[inverse] for values in zip(*parts, strict=True)]  # type: ignore[arg-type]
         return ReplayBufferSamples(*fields)  # type: ignore[arg-type]
 
     def _shallow_view(self) -> PrioritizedReplayBuffer:
