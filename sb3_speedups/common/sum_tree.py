@@ -48,12 +48,11 @@ class SumTree:
             raise ValueError("priorities must be non-negative")
         nodes = self._leaf_base + indices
         self._nodes[nodes] = priorities
-        nodes = np.unique(nodes // 2)
-        while nodes.size and nodes[0] >= 1:
+        # Repeated parents are harmless: each write of a parent stores the same sum of its two children.
+        nodes = np.unique(nodes) // 2
+        for _ in range(self._depth):
             self._nodes[nodes] = self._nodes[2 * nodes] + self._nodes[2 * nodes + 1]
-            if nodes[0] == 1:
-                break
-            nodes = np.unique(nodes // 2)
+            nodes //= 2
 
     def find(self, values: np.ndarray) -> np.ndarray:
         """

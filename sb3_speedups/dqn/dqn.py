@@ -29,8 +29,14 @@ from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
 from sb3_speedups.common.inference import LeanMlp, ParameterMirror
 from sb3_speedups.common.q_update import AutogradQUpdate, ManualQUpdate, q_mlp_unsupported_reason
-from sb3_speedups.common.replay_buffers import PrioritizedReplayBuffer
-from sb3_speedups.common.replay_sampling import batchable, batched_sampling_supported, chunk_sizes, sample_minibatches
+from sb3_speedups.common.replay_buffers import PrioritizedReplayBuffer, PrioritizedReplayBufferSamples
+from sb3_speedups.common.replay_sampling import (
+    batchable,
+    batched_sampling_supported,
+    chunk_sizes,
+    newest_indices,
+    sample_minibatches,
+)
 from sb3_speedups.common.torch_utils import apply_num_threads
 from sb3_speedups.dqn.policies import DUELING_POLICIES
 from sb3_speedups.errors import UserError
@@ -284,7 +290,7 @@ class DQN(stable_baselines3.DQN):
         for i in range(gradient_steps):
             data = buffer.sample(batch_size, env=self._vec_normalize_env)
             if self.combined_replay:
-                data = _combine_newest(buffer, data)
+                data = _combine_newest(buffer, data, self._vec_normalize_env)
             base = ReplayBufferSamples(*(getattr(data, f) for f in ReplayBufferSamples._fields))
             td = self._step(updater, base, data.weights, losses[i])
             buffer.update_priorities(data.indices, td.abs().reshape(-1).cpu().numpy())
@@ -294,9 +300,13 @@ def _is_prioritized(buffer: object) -> bool:
     return hasattr(buffer, "update_priorities") and hasattr(buffer, "beta")
 
 
-def _combine_newest(buffer: Any, data: Any) -> Any:
+def _combine_newest(buffer: PrioritizedReplayBuffer, data: PrioritizedReplayBufferSamples, env: Any) -> Any:
     """Put the newest transitions (one per env) in the first rows of a prioritised minibatch, with weight 1."""
-    newest = buffer.newest_samples()
+    batch_inds, env_inds = newest_indices(buffer)
+    samples = buffer.get_samples_at(batch_inds, env_inds, env)
+    newest = PrioritizedReplayBufferSamples(
+        *samples[:5], samples.discounts, th.ones_like(samples.rewards), batch_inds * buffer.n_envs + env_inds
+    )
     rows = min(newest.observations.shape[0], data.observations.shape[0])
     fields: dict[str, Any] = {}
     for name in data._fields:
