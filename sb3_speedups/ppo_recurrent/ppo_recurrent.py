@@ -4,6 +4,8 @@ RecurrentPPO as in sb3-contrib, faster. What differs from stock, and why it is f
 - the policies (:mod:`sb3_speedups.ppo_recurrent.policies`) run each padded training sequence through one
   LSTM/GRU call instead of sb3-contrib's Python loop over time steps whenever an episode starts in a sequence;
 - GRU policies (``MlpGruPolicy``, ... or ``policy_kwargs=dict(rnn_type="gru")``) are available;
+- collection runs the standard policy as one plain-tensor pass per vectorised step under ``inference_mode``
+  (:mod:`sb3_speedups.ppo_recurrent.collection`), same samples for the same seed; other policies use sb3-contrib's;
 - the rollout buffer pads each minibatch's sequences with one gather (:mod:`sb3_speedups.ppo_recurrent.buffers`)
   instead of one tensor per sequence and field, with the same samples;
 - ``train()`` computes sb3-contrib's loss with masks multiplied instead of boolean-indexed, keeps the statistics as
@@ -24,11 +26,14 @@ import sb3_contrib
 import torch as th
 from gymnasium import spaces
 from sb3_contrib.common.recurrent.buffers import RecurrentRolloutBuffer
+from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.policies import BasePolicy
 from stable_baselines3.common.utils import explained_variance
+from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_speedups.common.torch_utils import apply_num_threads
 from sb3_speedups.ppo_recurrent.buffers import FastRecurrentRolloutBuffer
+from sb3_speedups.ppo_recurrent.collection import LeanRecurrentActor, collect_recurrent_rollout, lean_unsupported_reason
 from sb3_speedups.ppo_recurrent.policies import (
     FAST_POLICIES,
     CnnGruPolicy,
@@ -81,6 +86,14 @@ class RecurrentPPO(sb3_contrib.RecurrentPPO):
 
     def _excluded_save_params(self) -> list[str]:
         return [*super()._excluded_save_params(), "num_threads", "_optimizer_step"]
+
+    def collect_rollouts(self, env: VecEnv, callback: BaseCallback, rollout_buffer: Any, n_rollout_steps: int) -> bool:
+        """sb3-contrib's collection; with the lean actor when the policy is standard (see the module docstring)."""
+        if self.use_sde or lean_unsupported_reason(self.policy) is not None:
+            return super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps)
+        # Built per rollout: cheap, and it follows the parameters wherever train() moved their storage.
+        actor = LeanRecurrentActor(self.policy)  # type: ignore[arg-type]
+        return collect_recurrent_rollout(self, env, callback, rollout_buffer, n_rollout_steps, actor)
 
     def train(self) -> None:
         """sb3-contrib's update (same loss, epochs, minibatches, early stopping and logs), without per-step syncs."""
