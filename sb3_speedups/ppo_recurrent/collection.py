@@ -58,20 +58,24 @@ def lean_unsupported_reason(policy: nn.Module) -> str | None:
     return None
 
 
-def rnn_step(rnn: nn.Module, x: th.Tensor, state: State) -> tuple[th.Tensor, State]:
+def rnn_step(rnn: nn.Module, x: th.Tensor, state: State, keep: th.Tensor | None = None) -> tuple[th.Tensor, State]:
     """
     One step of a (multi-layer) LSTM or GRU, with the kernel its module would call.
 
     :param rnn: ``nn.LSTM`` or ``nn.GRU`` (not batch-first, unidirectional)
     :param x: ``(n, input_size)``
-    :param state: ``(h, c)``, each ``(n_layers, n, hidden)``; ``c`` passes through unchanged for a GRU
+    :param state: ``(h, c)``, each ``(n_layers, n, hidden)``; ``c`` passes through unchanged for a GRU (as in
+        :func:`sb3_speedups.ppo_recurrent.policies.process_sequence`)
+    :param keep: ``(1, n, 1)``: 0 where an episode starts (the state is reset first), 1 elsewhere
     :return: the output ``(n, hidden)`` and the new state
     """
     weights = rnn._flat_weights
+    h = state[0] if keep is None else keep * state[0]
     if isinstance(rnn, nn.GRU):
-        out, h = th.gru(x.unsqueeze(0), state[0], weights, rnn.bias, rnn.num_layers, 0.0, False, False, False)
+        out, h = th.gru(x.unsqueeze(0), h, weights, rnn.bias, rnn.num_layers, 0.0, False, False, False)
         return out[0], (h, state[1])
-    out, h, c = th.lstm(x.unsqueeze(0), state, weights, rnn.bias, rnn.num_layers, 0.0, False, False, False)
+    c = state[1] if keep is None else keep * state[1]
+    out, h, c = th.lstm(x.unsqueeze(0), (h, c), weights, rnn.bias, rnn.num_layers, 0.0, False, False, False)
     return out[0], (h, c)
 
 
@@ -115,8 +119,8 @@ class LeanRecurrentActor:
         """
         x = self.features(obs)
         keep = th.as_tensor(1.0 - episode_starts.astype(np.float32), device=self.device).view(1, -1, 1)
-        latent_pi, pi_state = rnn_step(self.policy.lstm_actor, x, (keep * states.pi[0], keep * states.pi[1]))
-        latent_vf, vf_state = rnn_step(self.policy.lstm_critic, x, (keep * states.vf[0], keep * states.vf[1]))
+        latent_pi, pi_state = rnn_step(self.policy.lstm_actor, x, states.pi, keep)
+        latent_vf, vf_state = rnn_step(self.policy.lstm_critic, x, states.vf, keep)
         values = self.value_net(self.vf(latent_vf))
         actions, log_prob = self.head.sample(self.action_net(self.pi(latent_pi)), self.log_std)
         actions = actions.reshape((-1, *self.policy.action_space.shape))
@@ -125,7 +129,7 @@ class LeanRecurrentActor:
     def predict_values(self, obs: np.ndarray, state: State, episode_starts: np.ndarray) -> th.Tensor:
         """:return: values ``(n, 1)`` of observations continuing from the critic's ``state``"""
         keep = th.as_tensor(1.0 - episode_starts.astype(np.float32), device=self.device).view(1, -1, 1)
-        latent_vf, _ = rnn_step(self.policy.lstm_critic, self.features(obs), (keep * state[0], keep * state[1]))
+        latent_vf, _ = rnn_step(self.policy.lstm_critic, self.features(obs), state, keep)
         return self.value_net(self.vf(latent_vf))
 
 
