@@ -37,7 +37,7 @@ def lean_unsupported_reason(policy: nn.Module) -> str | None:
     if not isinstance(policy, RecurrentActorCriticPolicy):
         return "not a RecurrentActorCriticPolicy"
     cls = type(policy)
-    for name in ("forward", "predict_values", "evaluate_actions", "_get_action_dist_from_latent", "extract_features"):
+    for name in ("forward", "predict_values", "_get_action_dist_from_latent", "extract_features"):
         if getattr(cls, name) is not getattr(RecurrentActorCriticPolicy, name):
             return f"the policy overrides {name}"
     if not isinstance(policy.observation_space, spaces.Box):

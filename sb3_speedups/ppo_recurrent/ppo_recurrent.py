@@ -8,11 +8,9 @@ RecurrentPPO as in sb3-contrib, faster. What differs from stock, and why it is f
   (:mod:`sb3_speedups.ppo_recurrent.collection`), same samples for the same seed; other policies use sb3-contrib's;
 - the rollout buffer pads each minibatch's sequences with one gather (:mod:`sb3_speedups.ppo_recurrent.buffers`)
   instead of one tensor per sequence and field, with the same samples;
-- ``train()`` computes sb3-contrib's loss (for standard policies with the action head's maths of
-  :mod:`sb3_speedups.common.heads` instead of distribution objects) with masks multiplied instead of
-  boolean-indexed, keeps the statistics as tensors (one host sync per call unless ``target_kl`` needs one per
-  minibatch), and steps Adam as one fused kernel over one flat gradient buffer
-  (:mod:`sb3_speedups.ppo_recurrent.training`);
+- ``train()`` computes sb3-contrib's loss with masks multiplied instead of boolean-indexed, keeps the statistics as
+  tensors (one host sync per call unless ``target_kl`` needs one per minibatch), and steps Adam as one fused kernel
+  over one flat gradient buffer (:mod:`sb3_speedups.ppo_recurrent.training`);
 - torch runs on one CPU thread unless the user chose otherwise (faster and steadier for small networks).
 
 LSTM models are saved with sb3-contrib's policy classes, so stock sb3-contrib loads them; files saved by
@@ -33,7 +31,6 @@ from stable_baselines3.common.policies import BasePolicy
 from stable_baselines3.common.utils import explained_variance
 from stable_baselines3.common.vec_env import VecEnv
 
-from sb3_speedups.common.heads import make_head
 from sb3_speedups.common.torch_utils import apply_num_threads
 from sb3_speedups.ppo_recurrent.buffers import FastRecurrentRolloutBuffer
 from sb3_speedups.ppo_recurrent.collection import LeanRecurrentActor, collect_recurrent_rollout, lean_unsupported_reason
@@ -109,14 +106,12 @@ class RecurrentPPO(sb3_contrib.RecurrentPPO):
         if step is None or not step.is_bound(self.policy.optimizer):
             step = self._optimizer_step = FlatOptimizerStep(self.policy, self.policy.optimizer)
         discrete = isinstance(self.action_space, spaces.Discrete)
-        lean = not self.use_sde and lean_unsupported_reason(self.policy) is None
-        head = make_head(self.policy.action_dist, self.action_space) if lean else None
         rows: list[th.Tensor] = []
         epoch_start = 0
         for epoch in range(self.n_epochs):
             epoch_start, stop = len(rows), False
             for data in self.rollout_buffer.get(self.batch_size):
-                loss, stats = recurrent_ppo_loss(self.policy, data, cfg, discrete, head)
+                loss, stats = recurrent_ppo_loss(self.policy, data, cfg, discrete)
                 rows.append(stats)
                 if self.target_kl is not None and stats[STATS.index("approx_kl")].item() > 1.5 * self.target_kl:
                     stop = True

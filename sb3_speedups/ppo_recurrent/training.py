@@ -15,9 +15,7 @@ import torch as th
 from sb3_contrib.common.recurrent.type_aliases import RecurrentRolloutBufferSamples
 from torch import nn
 
-from sb3_speedups.common.heads import ActionHead
 from sb3_speedups.common.optim import FlatAdam, FlatParameters, adam_unsupported_reason
-from sb3_speedups.ppo_recurrent.policies import process_sequence
 
 #: per-minibatch statistics, in the order of a stats row
 STATS = ("policy_gradient_loss", "clip_fraction", "value_loss", "entropy_loss", "approx_kl", "loss")
@@ -39,31 +37,8 @@ def masked_mean(x: th.Tensor, mask: th.Tensor, count: th.Tensor) -> th.Tensor:
     return (x * mask).sum() / count
 
 
-def evaluate_actions_lean(
-    policy: nn.Module, head: ActionHead, data: RecurrentRolloutBufferSamples
-) -> tuple[th.Tensor, th.Tensor, th.Tensor]:
-    """
-    ``evaluate_actions`` of a standard recurrent policy (one accepted by
-    :func:`sb3_speedups.ppo_recurrent.collection.lean_unsupported_reason`) with the head's maths instead of
-    distribution objects.
-
-    :return: values ``(n, 1)``, log-probabilities ``(n,)`` and entropies ``(n,)`` of the minibatch's actions
-    """
-    obs = data.observations
-    x = obs.float().reshape(obs.shape[0], -1)  # FlattenExtractor on a Box
-    latent_pi, _ = process_sequence(x, data.lstm_states.pi, data.episode_starts, policy.lstm_actor)
-    latent_vf, _ = process_sequence(x, data.lstm_states.vf, data.episode_starts, policy.lstm_critic)
-    out = policy.action_net(policy.mlp_extractor.forward_actor(latent_pi))
-    log_prob, entropy = head.log_prob_entropy(out, data.actions, getattr(policy, "log_std", None))
-    return policy.value_net(policy.mlp_extractor.forward_critic(latent_vf)), log_prob, entropy
-
-
 def recurrent_ppo_loss(
-    policy: nn.Module,
-    data: RecurrentRolloutBufferSamples,
-    cfg: RecurrentLossConfig,
-    discrete: bool,
-    head: ActionHead | None = None,
+    policy: nn.Module, data: RecurrentRolloutBufferSamples, cfg: RecurrentLossConfig, discrete: bool
 ) -> tuple[th.Tensor, th.Tensor]:
     """
     sb3-contrib's ``RecurrentPPO`` loss of one padded minibatch.
@@ -72,17 +47,12 @@ def recurrent_ppo_loss(
     :param data: the minibatch from the rollout buffer
     :param cfg: coefficients
     :param discrete: whether the actions are ``Discrete`` (sent as ``long`` indices)
-    :param head: evaluate with :func:`evaluate_actions_lean` and this head (standard policies only); ``None``: call
-        ``policy.evaluate_actions``
     :return: the loss and its statistics row (:data:`STATS`), detached
     """
+    actions = data.actions.long().flatten() if discrete else data.actions
     mask = data.mask
     count = mask.sum()
-    if head is None:
-        actions = data.actions.long().flatten() if discrete else data.actions
-        values, log_prob, entropy = policy.evaluate_actions(data.observations, actions, data.lstm_states, data.episode_starts)
-    else:
-        values, log_prob, entropy = evaluate_actions_lean(policy, head, data)
+    values, log_prob, entropy = policy.evaluate_actions(data.observations, actions, data.lstm_states, data.episode_starts)
     values = values.flatten()
     advantages = data.advantages
     if cfg.normalize_advantage:
