@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import sb3_contrib
 import torch as th
+from gymnasium import spaces
+from sb3_contrib.common.recurrent.buffers import RecurrentRolloutBuffer
 from sb3_contrib.common.recurrent.policies import RecurrentActorCriticPolicy as StockPolicy
+from sb3_contrib.common.recurrent.type_aliases import RNNStates
+from stable_baselines3.common.env_util import make_vec_env
 from torch import nn
 
 import sb3_speedups.envs  # noqa: F401  (registers DelayedRecall-v0)
 from sb3_speedups import RecurrentPPO
+from sb3_speedups.ppo_recurrent.buffers import FastRecurrentRolloutBuffer, padded_positions
+from sb3_speedups.ppo_recurrent.collection import LeanRecurrentActor, lean_unsupported_reason, rnn_step
 from sb3_speedups.ppo_recurrent.policies import process_sequence
+from sb3_speedups.ppo_recurrent.training import STATS, RecurrentLossConfig, recurrent_ppo_loss
 
 KW = dict(n_steps=32, batch_size=64, n_epochs=2, policy_kwargs=dict(lstm_hidden_size=16, net_arch=[16]), seed=0)
 
@@ -157,3 +165,176 @@ def test_memory_task_solved_by_lstm_and_gru_not_by_feed_forward() -> None:
     lstm, gru, feed_forward = means
     assert lstm > 0.8 and gru > 0.8
     assert feed_forward < 0.5
+
+
+# --- fast paths: buffer padding, collection, loss/optimizer --------------------------------------------------------
+
+
+def _filled_buffers(n_steps: int = 16, n_envs: int = 4) -> list[RecurrentRolloutBuffer]:
+    obs_space, act_space = spaces.Box(-1, 1, (3,)), spaces.Discrete(2)
+    kw = dict(gamma=0.9, gae_lambda=0.9, n_envs=n_envs)
+    buffers = [
+        cls(n_steps, obs_space, act_space, (n_steps, 2, n_envs, 5), "cpu", **kw)
+        for cls in (RecurrentRolloutBuffer, FastRecurrentRolloutBuffer)
+    ]
+    rng = np.random.default_rng(0)
+    gen = th.Generator().manual_seed(0)
+    for _ in range(n_steps):
+        step = (
+            rng.normal(size=(n_envs, 3)).astype(np.float32),
+            rng.integers(0, 2, (n_envs, 1)),
+            rng.normal(size=n_envs).astype(np.float32),
+            rng.random(n_envs) < 0.2,
+            th.randn(n_envs, 1, generator=gen),
+            th.randn(n_envs, generator=gen),
+        )
+        states = RNNStates(*(tuple(th.randn(2, n_envs, 5, generator=gen) for _ in range(2)) for _ in range(2)))
+        for buffer in buffers:
+            buffer.add(*step, lstm_states=states)
+    for buffer in buffers:
+        buffer.compute_returns_and_advantage(th.ones(n_envs, 1), np.zeros(n_envs))
+    return buffers
+
+
+@pytest.mark.parametrize("batch_size", [7, 20, 64, None])
+def test_fast_buffer_gives_sb3_contrib_minibatches(batch_size: int | None) -> None:
+    stock, fast = _filled_buffers()
+    for epoch in range(2):  # the second get() reuses the prepared layout
+        np.random.seed(epoch)
+        expected = list(stock.get(batch_size))
+        np.random.seed(epoch)
+        got = list(fast.get(batch_size))
+        assert len(got) == len(expected)
+        for a, b in zip(expected, got, strict=True):
+            for field in a._fields:
+                if field == "lstm_states":
+                    for x, y in zip(
+                        (*a.lstm_states.pi, *a.lstm_states.vf), (*b.lstm_states.pi, *b.lstm_states.vf), strict=True
+                    ):
+                        assert th.equal(x, y)
+                else:
+                    assert th.equal(getattr(a, field), getattr(b, field)), field
+
+
+def test_padded_positions() -> None:
+    starts, rows, max_length = padded_positions(np.array([False, False, True, False, False, True]))
+    assert list(starts) == [0, 2, 5] and max_length == 3
+    assert list(rows) == [0, 1, 3, 4, 5, 6]
+
+
+def _stock_loss(policy: StockPolicy, data, clip_range: float, ent_coef: float, vf_coef: float) -> th.Tensor:
+    """sb3-contrib's loss (boolean-indexed masks), written out as a reference."""
+    mask = data.mask > 1e-8
+    values, log_prob, entropy = policy.evaluate_actions(
+        data.observations, data.actions.long().flatten(), data.lstm_states, data.episode_starts
+    )
+    adv = data.advantages
+    adv = (adv - adv[mask].mean()) / (adv[mask].std() + 1e-8)
+    ratio = th.exp(log_prob - data.old_log_prob)
+    policy_loss = -th.mean(th.min(adv * ratio, adv * th.clamp(ratio, 1 - clip_range, 1 + clip_range))[mask])
+    value_loss = th.mean(((data.returns - values.flatten()) ** 2)[mask])
+    return policy_loss + ent_coef * -th.mean(entropy[mask]) + vf_coef * value_loss
+
+
+def test_masked_loss_and_gradients_match_sb3_contrib() -> None:
+    model = RecurrentPPO("MlpLstmPolicy", "CartPole-v1", **KW)
+    model.learn(64)
+    cfg = RecurrentLossConfig(clip_range=0.1, clip_range_vf=None, ent_coef=0.01, vf_coef=0.5, normalize_advantage=True)
+    for data in model.rollout_buffer.get(24):
+        assert float(data.mask.min()) == 0.0 or data.mask.numel() == 24  # padding present in most minibatches
+        loss, stats = recurrent_ppo_loss(model.policy, data, cfg, discrete=True)
+        grads = th.autograd.grad(loss, list(model.policy.parameters()))
+        ref = _stock_loss(model.policy, data, 0.1, 0.01, 0.5)
+        ref_grads = th.autograd.grad(ref, list(model.policy.parameters()))
+        th.testing.assert_close(loss, ref)
+        th.testing.assert_close(stats[STATS.index("loss")], ref.detach())
+        for g, r in zip(grads, ref_grads, strict=True):
+            th.testing.assert_close(g, r, atol=1e-6, rtol=1e-4)
+
+
+def _truncating_env(n_envs: int = 4):
+    # short time limit: rollouts hold terminations, truncations (timeout bootstrap) and episode starts
+    return make_vec_env(lambda: gym.make("CartPole-v1", max_episode_steps=12), n_envs=n_envs, seed=0)
+
+
+@pytest.mark.parametrize("shared_lstm", [False, True])
+def test_learning_matches_sb3_contrib_for_one_seed(shared_lstm: bool) -> None:
+    """Collection (same samples), buffer, loss and fused Adam: three updates later the models agree."""
+    policy_kwargs = {**KW["policy_kwargs"], "n_lstm_layers": 2}
+    if shared_lstm:  # falls back to sb3-contrib's collection; train() stays ours
+        policy_kwargs.update(shared_lstm=True, enable_critic_lstm=False)
+    models = []
+    for cls in (sb3_contrib.RecurrentPPO, RecurrentPPO):
+        model = cls("MlpLstmPolicy", _truncating_env(), **{**KW, "policy_kwargs": policy_kwargs})
+        model.learn(4 * 32 * 3)
+        models.append(model)
+    stock, ours = models
+    assert (lean_unsupported_reason(ours.policy) is None) is not shared_lstm
+    assert isinstance(ours.rollout_buffer, FastRecurrentRolloutBuffer)
+    assert ours.rollout_buffer.episode_starts.sum() > 4  # episodes started inside the rollout
+    for name in ("observations", "actions", "episode_starts"):
+        np.testing.assert_array_equal(getattr(ours.rollout_buffer, name), getattr(stock.rollout_buffer, name))
+    for name in ("values", "log_probs", "returns", "hidden_states_pi", "cell_states_vf"):
+        np.testing.assert_allclose(getattr(ours.rollout_buffer, name), getattr(stock.rollout_buffer, name), atol=1e-4)
+    for a, b in zip(ours.policy.parameters(), stock.policy.parameters(), strict=True):
+        th.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+
+
+def test_lean_actor_resets_states_at_episode_starts_and_matches_policy_forward() -> None:
+    model = RecurrentPPO("MlpGruPolicy", "CartPole-v1", **{**KW, "policy_kwargs": {**KW["policy_kwargs"], "n_lstm_layers": 2}})
+    actor = LeanRecurrentActor(model.policy)
+    gen = th.Generator().manual_seed(1)
+    states = RNNStates(*(tuple(th.randn(2, 3, 16, generator=gen) for _ in range(2)) for _ in range(2)))
+    obs = np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32)
+    starts = np.array([True, False, True])
+    with th.inference_mode():
+        th.manual_seed(5)
+        actions, values, log_probs, new_states = actor.act(obs, starts, states)
+        th.manual_seed(5)
+        ref = model.policy(th.as_tensor(obs), states, th.as_tensor(starts, dtype=th.float32))
+        # an env whose episode starts acts as from zero states
+        zero = RNNStates(*(tuple(s * th.tensor([0.0, 1.0, 0.0]).view(1, 3, 1) for s in pair) for pair in states))
+        th.manual_seed(5)
+        from_zero = actor.act(obs, np.zeros(3, dtype=bool), zero)
+    np.testing.assert_array_equal(actions, ref[0].numpy())
+    np.testing.assert_array_equal(actions, from_zero[0])
+    th.testing.assert_close(new_states.pi[0], from_zero[3].pi[0])
+    th.testing.assert_close(values, ref[1])
+    th.testing.assert_close(log_probs, ref[2])
+    th.testing.assert_close(values, from_zero[1])
+    for x, y in zip((*new_states.pi, *new_states.vf), (*ref[3].pi, *ref[3].vf), strict=True):
+        th.testing.assert_close(x, y)
+
+
+@pytest.mark.parametrize("rnn_class", [nn.LSTM, nn.GRU])
+def test_rnn_step_equals_module_call(rnn_class: type) -> None:
+    rnn = rnn_class(3, 8, num_layers=2)
+    gen = th.Generator().manual_seed(0)
+    x, h, c = th.randn(5, 3, generator=gen), th.randn(2, 5, 8, generator=gen), th.randn(2, 5, 8, generator=gen)
+    out, (h1, c1) = rnn_step(rnn, x, (h, c))
+    if rnn_class is nn.GRU:
+        ref_out, ref_h = rnn(x.unsqueeze(0), h)
+        ref_c = c
+    else:
+        ref_out, (ref_h, ref_c) = rnn(x.unsqueeze(0), (h, c))
+    th.testing.assert_close(out, ref_out[0])
+    th.testing.assert_close(h1, ref_h)
+    th.testing.assert_close(c1, ref_c)
+
+
+def test_trained_model_saves_for_sb3_contrib_and_keeps_training_after_load(tmp_path) -> None:
+    model = RecurrentPPO("MlpLstmPolicy", "CartPole-v1", **KW)
+    model.learn(128)
+    model.save(tmp_path / "m")
+    stock = sb3_contrib.RecurrentPPO.load(tmp_path / "m")
+    for a, b in zip(model.policy.state_dict().values(), stock.policy.state_dict().values(), strict=True):
+        th.testing.assert_close(a, b)
+    opt, stock_opt = model.policy.optimizer.state_dict(), stock.policy.optimizer.state_dict()
+    for key in opt["state"]:
+        th.testing.assert_close(opt["state"][key]["exp_avg"], stock_opt["state"][key]["exp_avg"])
+        assert float(opt["state"][key]["step"]) == float(stock_opt["state"][key]["step"]) > 0
+    model.set_parameters(stock.get_parameters())  # replaces the optimizer's state: the flat step rebinds
+    before = [p.detach().clone() for p in model.policy.parameters()]
+    model.learn(128, reset_num_timesteps=False)
+    assert model._optimizer_step is not None and model._optimizer_step.is_bound(model.policy.optimizer)
+    assert any(not th.equal(a, b) for a, b in zip(before, model.policy.parameters(), strict=True))

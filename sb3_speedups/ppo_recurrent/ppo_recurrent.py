@@ -4,6 +4,13 @@ RecurrentPPO as in sb3-contrib, faster. What differs from stock, and why it is f
 - the policies (:mod:`sb3_speedups.ppo_recurrent.policies`) run each padded training sequence through one
   LSTM/GRU call instead of sb3-contrib's Python loop over time steps whenever an episode starts in a sequence;
 - GRU policies (``MlpGruPolicy``, ... or ``policy_kwargs=dict(rnn_type="gru")``) are available;
+- collection runs the standard policy as one plain-tensor pass per vectorised step under ``inference_mode``
+  (:mod:`sb3_speedups.ppo_recurrent.collection`), same samples for the same seed; other policies use sb3-contrib's;
+- the rollout buffer pads each minibatch's sequences with one gather (:mod:`sb3_speedups.ppo_recurrent.buffers`)
+  instead of one tensor per sequence and field, with the same samples;
+- ``train()`` computes sb3-contrib's loss with masks multiplied instead of boolean-indexed, keeps the statistics as
+  tensors (one host sync per call unless ``target_kl`` needs one per minibatch), and steps Adam as one fused kernel
+  over one flat gradient buffer (:mod:`sb3_speedups.ppo_recurrent.training`);
 - torch runs on one CPU thread unless the user chose otherwise (faster and steadier for small networks).
 
 LSTM models are saved with sb3-contrib's policy classes, so stock sb3-contrib loads them; files saved by
@@ -14,10 +21,19 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import numpy as np
 import sb3_contrib
+import torch as th
+from gymnasium import spaces
+from sb3_contrib.common.recurrent.buffers import RecurrentRolloutBuffer
+from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.policies import BasePolicy
+from stable_baselines3.common.utils import explained_variance
+from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_speedups.common.torch_utils import apply_num_threads
+from sb3_speedups.ppo_recurrent.buffers import FastRecurrentRolloutBuffer
+from sb3_speedups.ppo_recurrent.collection import LeanRecurrentActor, collect_recurrent_rollout, lean_unsupported_reason
 from sb3_speedups.ppo_recurrent.policies import (
     FAST_POLICIES,
     CnnGruPolicy,
@@ -27,6 +43,7 @@ from sb3_speedups.ppo_recurrent.policies import (
     MultiInputGruPolicy,
     MultiInputLstmPolicy,
 )
+from sb3_speedups.ppo_recurrent.training import STATS, FlatOptimizerStep, RecurrentLossConfig, recurrent_ppo_loss
 
 
 class RecurrentPPO(sb3_contrib.RecurrentPPO):
@@ -54,9 +71,72 @@ class RecurrentPPO(sb3_contrib.RecurrentPPO):
         apply_num_threads(self.num_threads)
         self.policy_class = FAST_POLICIES.get(self.policy_class, self.policy_class)
         super()._setup_model()
+        if type(self.rollout_buffer) is RecurrentRolloutBuffer:
+            self.rollout_buffer = FastRecurrentRolloutBuffer(
+                self.n_steps,
+                self.observation_space,
+                self.action_space,
+                self.rollout_buffer.hidden_state_shape,
+                self.device,
+                gamma=self.gamma,
+                gae_lambda=self.gae_lambda,
+                n_envs=self.n_envs,
+            )
+        self._optimizer_step: FlatOptimizerStep | None = None
 
     def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "num_threads"]
+        return [*super()._excluded_save_params(), "num_threads", "_optimizer_step"]
+
+    def collect_rollouts(self, env: VecEnv, callback: BaseCallback, rollout_buffer: Any, n_rollout_steps: int) -> bool:
+        """sb3-contrib's collection; with the lean actor when the policy is standard (see the module docstring)."""
+        if self.use_sde or lean_unsupported_reason(self.policy) is not None:
+            return super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps)
+        # Built per rollout: cheap, and it follows the parameters wherever train() moved their storage.
+        actor = LeanRecurrentActor(self.policy)  # type: ignore[arg-type]
+        return collect_recurrent_rollout(self, env, callback, rollout_buffer, n_rollout_steps, actor)
+
+    def train(self) -> None:
+        """sb3-contrib's update (same loss, epochs, minibatches, early stopping and logs), without per-step syncs."""
+        self.policy.set_training_mode(True)
+        self._update_learning_rate(self.policy.optimizer)
+        clip_range = self.clip_range(self._current_progress_remaining)  # type: ignore[operator]
+        clip_range_vf = None if self.clip_range_vf is None else self.clip_range_vf(self._current_progress_remaining)  # type: ignore[operator]
+        cfg = RecurrentLossConfig(clip_range, clip_range_vf, self.ent_coef, self.vf_coef, self.normalize_advantage)
+        step = self._optimizer_step
+        if step is None or not step.is_bound(self.policy.optimizer):
+            step = self._optimizer_step = FlatOptimizerStep(self.policy, self.policy.optimizer)
+        discrete = isinstance(self.action_space, spaces.Discrete)
+        rows: list[th.Tensor] = []
+        epoch_start = 0
+        for epoch in range(self.n_epochs):
+            epoch_start, stop = len(rows), False
+            for data in self.rollout_buffer.get(self.batch_size):
+                loss, stats = recurrent_ppo_loss(self.policy, data, cfg, discrete)
+                rows.append(stats)
+                if self.target_kl is not None and stats[STATS.index("approx_kl")].item() > 1.5 * self.target_kl:
+                    stop = True
+                    if self.verbose >= 1:
+                        print(f"Early stopping at step {epoch} due to reaching max kl: {stats[4].item():.2f}")
+                    break
+                step.step(loss, self.max_grad_norm)
+            self._n_updates += 1
+            if stop:
+                break
+        table = th.stack(rows).cpu().numpy()  # the one host sync
+        explained_var = explained_variance(self.rollout_buffer.values.flatten(), self.rollout_buffer.returns.flatten())
+        means = dict(zip(STATS, table.mean(axis=0), strict=True))
+        for name in ("entropy_loss", "policy_gradient_loss", "value_loss"):
+            self.logger.record(f"train/{name}", means[name])
+        self.logger.record("train/approx_kl", float(np.mean(table[epoch_start:, STATS.index("approx_kl")])))
+        self.logger.record("train/clip_fraction", means["clip_fraction"])
+        self.logger.record("train/loss", float(table[-1, STATS.index("loss")]))
+        self.logger.record("train/explained_variance", explained_var)
+        if hasattr(self.policy, "log_std"):
+            self.logger.record("train/std", th.exp(self.policy.log_std).mean().item())
+        self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
+        self.logger.record("train/clip_range", clip_range)
+        if clip_range_vf is not None:
+            self.logger.record("train/clip_range_vf", clip_range_vf)
 
     def save(self, *args: Any, **kwargs: Any) -> None:
         """Save as :meth:`sb3_contrib.RecurrentPPO.save`; LSTM policies are recorded as sb3-contrib's classes."""
