@@ -61,7 +61,7 @@ class FastRecurrentRolloutBuffer(RecurrentRolloutBuffer):
         env_change[0, :] = True
         self._new_sequence = np.logical_or(self.swap_and_flatten(env_change).ravel(), self.episode_starts.ravel() > 0)
 
-    def get(self, batch_size: int | None = None) -> Generator[RecurrentRolloutBufferSamples, None, None]:
+    def get(self, batch_size: int | None = None) -> Generator[RecurrentRolloutBufferSamples, None, None]:  # type: ignore[override]
         assert self.full, "Rollout buffer must be full before sampling from it"
         if not self.generator_ready or self._steps is None:
             self._prepare()

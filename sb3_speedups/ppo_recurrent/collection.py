@@ -53,7 +53,7 @@ def lean_unsupported_reason(policy: nn.Module) -> str | None:
     if any(LeanMlp.parse(net) is None for net in nets):
         return "the MLP extractor or the heads are not plain MLPs"
     for rnn in (policy.lstm_actor, policy.lstm_critic):
-        if type(rnn) not in (nn.LSTM, nn.GRU) or rnn.batch_first or rnn.bidirectional or getattr(rnn, "proj_size", 0):
+        if type(rnn) not in (nn.LSTM, nn.GRU) or rnn.batch_first or rnn.bidirectional or getattr(rnn, "proj_size", 0):  # type: ignore[arg-type]
             return "the recurrent layers are not plain unidirectional nn.LSTM/nn.GRU"
     return None
 
@@ -72,10 +72,10 @@ def rnn_step(rnn: nn.Module, x: th.Tensor, state: State, keep: th.Tensor | None 
     weights = rnn._flat_weights
     h = state[0] if keep is None else keep * state[0]
     if isinstance(rnn, nn.GRU):
-        out, h = th.gru(x.unsqueeze(0), h, weights, rnn.bias, rnn.num_layers, 0.0, False, False, False)
+        out, h = th.gru(x.unsqueeze(0), h, weights, rnn.bias, rnn.num_layers, 0.0, False, False, False)  # type: ignore[call-overload]
         return out[0], (h, state[1])
     c = state[1] if keep is None else keep * state[1]
-    out, h, c = th.lstm(x.unsqueeze(0), (h, c), weights, rnn.bias, rnn.num_layers, 0.0, False, False, False)
+    out, h, c = th.lstm(x.unsqueeze(0), (h, c), weights, rnn.bias, rnn.num_layers, 0.0, False, False, False)  # type: ignore[call-overload]
     return out[0], (h, c)
 
 
@@ -119,17 +119,17 @@ class LeanRecurrentActor:
         """
         x = self.features(obs)
         keep = th.as_tensor(1.0 - episode_starts.astype(np.float32), device=self.device).view(1, -1, 1)
-        latent_pi, pi_state = rnn_step(self.policy.lstm_actor, x, states.pi, keep)
-        latent_vf, vf_state = rnn_step(self.policy.lstm_critic, x, states.vf, keep)
+        latent_pi, pi_state = rnn_step(self.policy.lstm_actor, x, states.pi, keep)  # type: ignore[arg-type]
+        latent_vf, vf_state = rnn_step(self.policy.lstm_critic, x, states.vf, keep)  # type: ignore[arg-type]
         values = self.value_net(self.vf(latent_vf))
         actions, log_prob = self.head.sample(self.action_net(self.pi(latent_pi)), self.log_std)
-        actions = actions.reshape((-1, *self.policy.action_space.shape))
+        actions = actions.reshape((-1, *self.policy.action_space.shape))  # type: ignore[misc]
         return actions.cpu().numpy(), values, log_prob, RNNStates(pi_state, vf_state)
 
     def predict_values(self, obs: np.ndarray, state: State, episode_starts: np.ndarray) -> th.Tensor:
         """:return: values ``(n, 1)`` of observations continuing from the critic's ``state``"""
         keep = th.as_tensor(1.0 - episode_starts.astype(np.float32), device=self.device).view(1, -1, 1)
-        latent_vf, _ = rnn_step(self.policy.lstm_critic, self.features(obs), state, keep)
+        latent_vf, _ = rnn_step(self.policy.lstm_critic, self.features(obs), state, keep)  # type: ignore[arg-type]
         return self.value_net(self.vf(latent_vf))
 
 

@@ -111,7 +111,7 @@ class RecurrentPPO(sb3_contrib.RecurrentPPO):
         for epoch in range(self.n_epochs):
             epoch_start, stop = len(rows), False
             for data in self.rollout_buffer.get(self.batch_size):
-                loss, stats = recurrent_ppo_loss(self.policy, data, cfg, discrete)
+                loss, stats = recurrent_ppo_loss(self.policy, data, cfg, discrete)  # type: ignore[arg-type]
                 rows.append(stats)
                 if self.target_kl is not None and stats[STATS.index("approx_kl")].item() > 1.5 * self.target_kl:
                     stop = True

@@ -52,7 +52,7 @@ def recurrent_ppo_loss(
     actions = data.actions.long().flatten() if discrete else data.actions
     mask = data.mask
     count = mask.sum()
-    values, log_prob, entropy = policy.evaluate_actions(data.observations, actions, data.lstm_states, data.episode_starts)
+    values, log_prob, entropy = policy.evaluate_actions(data.observations, actions, data.lstm_states, data.episode_starts)  # type: ignore[operator]
     values = values.flatten()
     advantages = data.advantages
     if cfg.normalize_advantage:
