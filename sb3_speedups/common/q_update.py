@@ -7,8 +7,9 @@ One DQN gradient step (Huber loss on Q(s, a) against a given target, gradient cl
 - :class:`AutogradQUpdate`: any other Q-network (dueling heads, CNN, ``Dict`` observations, custom optimizer),
   with autograd and the policy's own optimizer, as stock SB3 does.
 
-Both write the loss into a caller's tensor (no ``.item()`` per step) and return the TD errors ``Q(s, a) - target``
-(for prioritised replay). ``weights`` are importance-sampling weights (``None``: all 1, stock's loss).
+Both return the TD errors ``Q(s, a) - target`` (for prioritised replay, and for the logged loss: :func:`huber_`
+of all of one ``train()`` call's errors at once, with no ``.item()`` per step). ``weights`` are importance-sampling
+weights (``None``: all 1, stock's loss).
 """
 
 from __future__ import annotations
@@ -96,7 +97,6 @@ class ManualQUpdate:
         target: th.Tensor,
         weights: th.Tensor | None,
         max_grad_norm: float,
-        loss_out: th.Tensor,
     ) -> th.Tensor:
         """
         One gradient step on ``mean(w * huber(Q(obs, actions) - target))``.
@@ -106,7 +106,6 @@ class ManualQUpdate:
         :param target: TD targets ``[b, 1]``
         :param weights: importance-sampling weights ``[b, 1]``, or ``None``
         :param max_grad_norm: gradient clipping threshold
-        :param loss_out: a 0-dim tensor that receives the loss
         :return: the TD errors ``[b, 1]``
         """
         b = obs.shape[0]
@@ -115,7 +114,6 @@ class ManualQUpdate:
         q = th.addmm(self.b_out, h2, self.w_out.t())
         index = actions.long()
         d = q.gather(1, index).sub_(target)
-        loss_out.copy_(huber_(d, weights))
         # d(huber)/d(d) = clamp(d, -1, 1); the mean divides by b.
         grad = d.clamp(-1.0, 1.0)
         if weights is not None:
@@ -156,7 +154,6 @@ class AutogradQUpdate:
         target: th.Tensor,
         weights: th.Tensor | None,
         max_grad_norm: float,
-        loss_out: th.Tensor,
     ) -> th.Tensor:
         """Same contract as :meth:`ManualQUpdate.step`."""
         q = th.gather(self.policy.q_net(obs), dim=1, index=actions.long())
@@ -166,5 +163,4 @@ class AutogradQUpdate:
         loss.backward()
         th.nn.utils.clip_grad_norm_(self.policy.parameters(), max_grad_norm)
         optimizer.step()
-        loss_out.copy_(loss.detach())
         return (q - target).detach()

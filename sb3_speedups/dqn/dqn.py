@@ -28,7 +28,7 @@ from stable_baselines3.common.noise import ActionNoise
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
 from sb3_speedups.common.inference import LeanMlp, ParameterMirror
-from sb3_speedups.common.q_update import AutogradQUpdate, ManualQUpdate, q_mlp_unsupported_reason
+from sb3_speedups.common.q_update import AutogradQUpdate, ManualQUpdate, huber_, q_mlp_unsupported_reason
 from sb3_speedups.common.replay_buffers import PrioritizedReplayBuffer, PrioritizedReplayBufferSamples
 from sb3_speedups.common.replay_sampling import (
     batchable,
@@ -52,6 +52,8 @@ class _Speedups:
     fallback_reason: str | None
     mirror: ParameterMirror | None
     actor: LeanMlp | None
+    online: list[th.Tensor]
+    target: list[th.Tensor]
 
 
 class DQN(stable_baselines3.DQN):
@@ -167,7 +169,9 @@ class DQN(stable_baselines3.DQN):
             actor = LeanMlp.from_module(self.q_net.q_net, lambda t: lookup[id(t)])
         elif self.verbose >= 1:
             print(f"sb3_speedups DQN: using the autograd update ({reason})")
-        self._speedups = _Speedups(updater, reason, mirror, actor)
+        online = [*self.q_net.parameters(), *self.batch_norm_stats]
+        target = [*self.q_net_target.parameters(), *self.batch_norm_stats_target]
+        self._speedups = _Speedups(updater, reason, mirror, actor, online, target)
         return self._speedups
 
     # ----- collection ---------------------------------------------------------------------------------------------
@@ -189,9 +193,8 @@ class DQN(stable_baselines3.DQN):
             actions = np.array([self.action_space.sample() for _ in range(n_envs)])
         else:
             obs = np.asarray(self._last_obs)
-            with th.inference_mode():
-                q = speed.actor(th.as_tensor(obs).reshape(obs.shape[0], -1).float())
-                actions = q.argmax(dim=1).numpy()
+            # The actor's weights are plain tensors (no autograd), so no grad-mode context is needed.
+            actions = speed.actor(th.as_tensor(obs).reshape(obs.shape[0], -1).float()).argmax(dim=1).numpy()
         return actions, actions
 
     def _on_step(self) -> None:
@@ -200,18 +203,11 @@ class DQN(stable_baselines3.DQN):
         # A hard target update is one fused copy instead of SB3's per-tensor scale-and-add (same values).
         self._n_calls += 1
         if self._n_calls % max(self.target_update_interval // self.n_envs, 1) == 0:
+            speed = self._ensure_speedups()
             with th.no_grad():
-                th._foreach_copy_(self._target_params, self._online_params)
+                th._foreach_copy_(speed.target, speed.online)
         self.exploration_rate = self.exploration_schedule(self._current_progress_remaining)
         self.logger.record("rollout/exploration_rate", self.exploration_rate)
-
-    @property
-    def _online_params(self) -> list[th.Tensor]:
-        return [*self.q_net.parameters(), *self.batch_norm_stats]
-
-    @property
-    def _target_params(self) -> list[th.Tensor]:
-        return [*self.q_net_target.parameters(), *self.batch_norm_stats_target]
 
     # ----- update -------------------------------------------------------------------------------------------------
 
@@ -232,27 +228,30 @@ class DQN(stable_baselines3.DQN):
         speed = self._ensure_speedups()
         self.policy.set_training_mode(True)
         self._update_learning_rate(self.policy.optimizer)
-        losses = th.empty(gradient_steps, device=self.device)
+        tds: list[th.Tensor] = []
+        weights: list[th.Tensor] | None = None
         if _is_prioritized(self.replay_buffer):
-            self._train_prioritized(speed.updater, gradient_steps, batch_size, losses)
+            weights = self._train_prioritized(speed.updater, gradient_steps, batch_size, tds)
         elif batchable(self.replay_buffer):
-            self._train_batched(speed.updater, gradient_steps, batch_size, losses)
+            self._train_batched(speed.updater, gradient_steps, batch_size, tds)
         else:
-            for i in range(gradient_steps):
+            for _ in range(gradient_steps):
                 data = self.replay_buffer.sample(batch_size, env=self._vec_normalize_env)  # type: ignore[union-attr]
-                self._step(speed.updater, data, None, losses[i])
+                tds.append(self._step(speed.updater, data, None))
         self._n_updates += gradient_steps
         if speed.mirror is not None:
             speed.mirror.sync()
         self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
-        self.logger.record("train/loss", float(losses.double().mean()))
+        if tds:
+            # Every minibatch has batch_size rows: the mean over all of them is the mean of the per-step losses.
+            loss = huber_(th.cat(tds), None if weights is None else th.cat(weights))
+            self.logger.record("train/loss", float(loss))
 
     def _step(
         self,
         updater: ManualQUpdate | AutogradQUpdate,
         data: ReplayBufferSamples,
         weights: th.Tensor | None,
-        loss_out: th.Tensor,
         next_q_target: th.Tensor | None = None,
     ) -> th.Tensor:
         if next_q_target is None:
@@ -260,40 +259,51 @@ class DQN(stable_baselines3.DQN):
                 next_q_target = self.q_net_target(data.next_observations)
         with th.no_grad():
             target = self._targets(data, next_q_target, updater)
-        return updater.step(data.observations, data.actions, target, weights, self.max_grad_norm, loss_out)
+        return updater.step(data.observations, data.actions, target, weights, self.max_grad_norm)
 
     def _train_batched(
-        self, updater: ManualQUpdate | AutogradQUpdate, gradient_steps: int, batch_size: int, losses: th.Tensor
+        self, updater: ManualQUpdate | AutogradQUpdate, gradient_steps: int, batch_size: int, tds: list[th.Tensor]
     ) -> None:
         buffer = self.replay_buffer
         assert buffer is not None
-        done = 0
         for n in chunk_sizes(gradient_steps, batch_size, buffer):
             data = sample_minibatches(buffer, batch_size, n, self._vec_normalize_env, combined=self.combined_replay)
             with th.no_grad():
                 next_q_all = self.q_net_target(data.next_observations)
+                # Plain DQN targets only read the target network, constant inside train(): all at once.
+                targets = None if self.double_q else self._targets(data, next_q_all, updater)
+            obs, actions = data.observations, data.actions.long()
             for k in range(n):
                 rows = slice(k * batch_size, (k + 1) * batch_size)
-                minibatch = ReplayBufferSamples(*(None if x is None else x[rows] for x in data))  # type: ignore[arg-type]
-                self._step(updater, minibatch, None, losses[done + k], next_q_all[rows])
-            done += n
+                if targets is None:
+                    minibatch = ReplayBufferSamples(*(None if x is None else x[rows] for x in data))  # type: ignore[arg-type]
+                    with th.no_grad():
+                        target = self._targets(minibatch, next_q_all[rows], updater)
+                else:
+                    target = targets[rows]
+                tds.append(updater.step(obs[rows], actions[rows], target, None, self.max_grad_norm))
 
     def _train_prioritized(
-        self, updater: ManualQUpdate | AutogradQUpdate, gradient_steps: int, batch_size: int, losses: th.Tensor
-    ) -> None:
+        self, updater: ManualQUpdate | AutogradQUpdate, gradient_steps: int, batch_size: int, tds: list[th.Tensor]
+    ) -> list[th.Tensor]:
+        """:return: the importance-sampling weights of every minibatch (for the logged loss)"""
         buffer: Any = self.replay_buffer
         if self._per_initial_beta is None:
             self._per_initial_beta = float(buffer.beta)
         beta0 = self._per_initial_beta
         done = min(max(1.0 - self._current_progress_remaining, 0.0), 1.0)
         buffer.beta = beta0 + (self.per_final_beta - beta0) * done
-        for i in range(gradient_steps):
+        weights = []
+        for _ in range(gradient_steps):
             data = buffer.sample(batch_size, env=self._vec_normalize_env)
             if self.combined_replay:
                 data = _combine_newest(buffer, data, self._vec_normalize_env)
             base = ReplayBufferSamples(*(getattr(data, f) for f in ReplayBufferSamples._fields))
-            td = self._step(updater, base, data.weights, losses[i])
+            td = self._step(updater, base, data.weights)
             buffer.update_priorities(data.indices, td.abs().reshape(-1).cpu().numpy())
+            tds.append(td)
+            weights.append(data.weights)
+        return weights
 
 
 def _is_prioritized(buffer: object) -> bool:
