@@ -37,7 +37,7 @@ from sb3_speedups.common.replay_sampling import (
     newest_indices,
     sample_minibatches,
 )
-from sb3_speedups.common.torch_utils import apply_num_threads
+from sb3_speedups.common.torch_utils import apply_num_threads, forward_in_blocks
 from sb3_speedups.dqn.policies import DUELING_POLICIES
 from sb3_speedups.errors import UserError
 
@@ -269,7 +269,7 @@ class DQN(stable_baselines3.DQN):
         for n in chunk_sizes(gradient_steps, batch_size, buffer):
             data = sample_minibatches(buffer, batch_size, n, self._vec_normalize_env, combined=self.combined_replay)
             with th.no_grad():
-                next_q_all = self.q_net_target(data.next_observations)
+                next_q_all = forward_in_blocks(self.q_net_target, data.next_observations)
                 # Plain DQN targets only read the target network, constant inside train(): all at once.
                 targets = None if self.double_q else self._targets(data, next_q_all, updater)
             obs, actions = data.observations, data.actions.long()
