@@ -92,7 +92,11 @@ class SpacesEnv(gym.Env):
         over = self.t >= self.horizon
         terminated = bool(over and self.np_random.random() < 0.5)
         truncated = over and not terminated
-        info: dict[str, Any] = {"t": self.t, "vec": np.arange(2) * self.t} if self.t % 3 == 0 else {}
+        info: dict[str, Any] = {}
+        if self.t % 3 == 0:
+            # numpy scalars as MuJoCo envs report them: they must come back from workers with their types
+            info = {"t": self.t, "vec": np.arange(2) * self.t, "x": np.float64(reward), "y": np.float32(self.t / 7)}
+            info.update(k=np.int64(self.t), ok=np.bool_(terminated), nested={"z": np.float64(0.5)})
         return obs, reward, terminated, truncated, info
 
     def render(self) -> np.ndarray:
