@@ -338,3 +338,30 @@ def test_trained_model_saves_for_sb3_contrib_and_keeps_training_after_load(tmp_p
     model.learn(128, reset_num_timesteps=False)
     assert model._optimizer_step is not None and model._optimizer_step.is_bound(model.policy.optimizer)
     assert any(not th.equal(a, b) for a, b in zip(before, model.policy.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(
+    "policy, rnn",
+    [("CnnLstmPolicy", nn.LSTM), ("CnnGruPolicy", nn.GRU), ("MultiInputLstmPolicy", nn.LSTM),
+     ("MultiInputGruPolicy", nn.GRU), ("MlpGruPolicy", nn.GRU)],
+)  # fmt: skip
+def test_image_dict_and_shared_rnn_policies_train_and_predict(policy: str, rnn: type) -> None:
+    from stable_baselines3.common.envs import FakeImageEnv, SimpleMultiObsEnv
+
+    kwargs = dict(KW, n_steps=16, batch_size=32, policy_kwargs=dict(lstm_hidden_size=8, net_arch=[8]))
+    if policy.startswith("Cnn"):
+        env = FakeImageEnv(screen_height=36, screen_width=36, n_channels=1, discrete=True)
+        kwargs["policy_kwargs"].update(features_extractor_kwargs=dict(features_dim=16))
+    elif policy.startswith("MultiInput"):
+        env = SimpleMultiObsEnv(random_start=True)
+    else:  # one RNN shared by actor and critic, as sb3-contrib's shared_lstm
+        env = gym.make("CartPole-v1")
+        kwargs["policy_kwargs"].update(shared_lstm=True, enable_critic_lstm=False)
+    model = RecurrentPPO(policy, env, **kwargs).learn(32)
+    assert type(model.policy.lstm_actor) is rnn
+    assert model._n_updates > 0
+    vec_env = model.get_env()
+    assert vec_env is not None
+    obs = vec_env.reset()
+    action, state = model.predict(obs, episode_start=np.ones(1, dtype=bool), deterministic=True)
+    assert vec_env.action_space.contains(action[0]) and state[0].shape == (1, 1, 8)
