@@ -275,13 +275,11 @@ class DQN(stable_baselines3.DQN):
             obs, actions = data.observations, data.actions.long()
             for k in range(n):
                 rows = slice(k * batch_size, (k + 1) * batch_size)
-                if targets is None:
+                if targets is None:  # Double DQN: the online network picks the next actions, after each step
                     minibatch = ReplayBufferSamples(*(None if x is None else x[rows] for x in data))  # type: ignore[arg-type]
-                    with th.no_grad():
-                        target = self._targets(minibatch, next_q_all[rows], updater)
+                    tds.append(self._step(updater, minibatch, None, next_q_all[rows]))
                 else:
-                    target = targets[rows]
-                tds.append(updater.step(obs[rows], actions[rows], target, None, self.max_grad_norm))
+                    tds.append(updater.step(obs[rows], actions[rows], targets[rows], None, self.max_grad_norm))
 
     def _train_prioritized(
         self, updater: ManualQUpdate | AutogradQUpdate, gradient_steps: int, batch_size: int, tds: list[th.Tensor]
