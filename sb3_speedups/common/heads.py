@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 from typing import Any
+
+import numpy as np
 import torch as th
 import torch.nn.functional as F
 from gymnasium import spaces
@@ -54,6 +56,15 @@ class ActionHead:
     def sample(self, out: th.Tensor, log_std: th.Tensor | None) -> tuple[th.Tensor, th.Tensor]:
         """:return: sampled actions (shaped as the env expects per row) and their log-probabilities ``[n]``"""
         raise NotImplementedError
+
+    def sample_numpy(self, out: np.ndarray, log_std: th.Tensor | None) -> tuple[np.ndarray, th.Tensor]:
+        """
+        :meth:`sample` from an action-net output computed with numpy on the CPU (same draws from torch's RNG).
+
+        :return: sampled actions as numpy and their log-probabilities ``[n]``
+        """
+        actions, log_prob = self.sample(th.from_numpy(out), log_std)
+        return actions.numpy(), log_prob
 
     def log_prob_entropy(self, out: th.Tensor, actions: th.Tensor, log_std: th.Tensor | None) -> tuple[th.Tensor, th.Tensor]:
         """:return: differentiable log-probabilities ``[n]`` and entropies ``[n]`` of ``actions`` (float, as stored)"""
@@ -131,6 +142,19 @@ class CategoricalHead(ActionHead):
             samples.append(sample)
             log_probs.append(logits.gather(-1, sample))
         return th.cat(samples, dim=1), th.cat(log_probs, dim=1).sum(dim=1)
+
+    def sample_numpy(self, out: np.ndarray, log_std: th.Tensor | None) -> tuple[np.ndarray, th.Tensor]:
+        if not self.discrete:
+            return super().sample_numpy(out, log_std)
+        # One Discrete block in numpy (a dozen small numpy calls cost less than torch's logsumexp alone); the
+        # exponential race draws from torch's RNG as sample_one_per_row does, so the same actions are sampled.
+        shifted = out - out.max(axis=1, keepdims=True)
+        exp = np.exp(shifted)
+        total = exp.sum(axis=1, keepdims=True)
+        logits = shifted - np.log(total)
+        q = th.empty(out.shape, dtype=th.float32).exponential_().numpy()
+        actions = np.argmax(np.divide(exp, total, out=exp) / q, axis=1)
+        return actions, th.from_numpy(np.take_along_axis(logits, actions[:, None], axis=1).reshape(-1))
 
     def log_prob_entropy(self, out: th.Tensor, actions: th.Tensor, log_std: th.Tensor | None) -> tuple[th.Tensor, th.Tensor]:
         index = actions.long().view(out.shape[0], len(self.nvec))

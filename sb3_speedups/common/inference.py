@@ -30,6 +30,7 @@ from torch import nn
 
 from sb3_speedups.common.fast_mlp import flat_layout, stackable
 from sb3_speedups.common.heads import ActionHead, make_head
+from sb3_speedups.common.numpy_actor import NumpyActorCritic
 
 _FUNCTIONAL: dict[type[nn.Module], Callable[[th.Tensor], th.Tensor]] = {nn.Tanh: th.tanh, nn.ReLU: F.relu}
 
@@ -213,6 +214,7 @@ class LeanActorCritic:
         log_std = getattr(policy, "log_std", None)
         self.log_std = None if log_std is None else mirrored(log_std)
         self.env_actions = box_env_actions(policy, policy.action_space)
+        self._numpy = NumpyActorCritic.build(self) if self.device.type == "cpu" else None
 
     def _latents(self, x: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
         if not self.stacked:
@@ -237,6 +239,10 @@ class LeanActorCritic:
         :return: sampled actions, values ``[n, 1]`` and log-probabilities ``[n]`` for a batch of observations (the
             copy's tensors never require gradients, so no autograd state is recorded without any grad-mode context)
         """
+        if self._numpy is not None and isinstance(obs, np.ndarray):
+            out, np_values = self._numpy.forward(obs)
+            np_actions, log_prob = self.head.sample_numpy(out, self.log_std)
+            return np_actions, th.from_numpy(np_values), log_prob
         latent_pi, latent_vf = self._latents(self._features(obs))
         values = self.value_net(latent_vf)
         actions, log_prob = self.head.sample(self.action_net(latent_pi), self.log_std)
