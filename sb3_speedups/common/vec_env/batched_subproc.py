@@ -32,7 +32,11 @@ from sb3_speedups.common.vec_env.stepping import SubsetSteppingMixin
 from sb3_speedups.common.vec_env.worker import ACTION_DTYPES, ACTION_ITEM_BYTES, ACTIONS_ON_PIPE, CONTROL_SLOTS
 from sb3_speedups.errors import UserError
 
-DEFAULT_SPIN_US = 20.0
+# Each side polls this long before blocking on a semaphore. A blocked side wakes up tens of microseconds late; the
+# gap between a worker's reply and its next command is the main process's own envs plus the policy, a few hundred
+# microseconds, so polling through it keeps both sides awake (measured here, HalfCheetah-v5, 4 + 4 envs: 401 us per
+# step polling 20 us, 366 us polling 300 us; 1,000 us no better). The poll yields the core, and is bounded.
+DEFAULT_SPIN_US = 300.0
 PAYLOAD_BYTES = 1 << 20  # per worker; memory is only committed where written, bigger payloads use the pipe
 _CODES = {dtype: code for code, dtype in enumerate(ACTION_DTYPES)}
 
@@ -86,8 +90,7 @@ class BatchedSubprocVecEnv(SubsetSteppingMixin, VecEnv):
                 if planned:
                     keep = n_workers is not None
                     self.split_times = startup.choose_n_local(self._pool, n_envs, step_cost, info_cost, keep_workers=keep)
-                    # Ties go to more envs in workers: the main process also runs the policy.
-                    n_local = min(self.split_times, key=lambda k: (self.split_times[k], k))
+                    n_local = startup.pick_split(self.split_times)
             self.n_local = int(n_local)
             if self.n_local == n_envs and self._pool.workers:
                 self._pool.close()

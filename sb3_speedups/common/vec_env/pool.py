@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from sb3_speedups.common.vec_env.env_group import ErrorRecord, InfoRecord
+from sb3_speedups.common.vec_env.info_codec import InfoDecoder
 from sb3_speedups.common.vec_env.worker import (
     ACTION_DTYPE,
     ACTIONS_ON_PIPE,
@@ -95,6 +96,7 @@ class WorkerHandle:
     payload: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint8))
     attached: bool = False
     pending: bool = False
+    info_decoder: InfoDecoder = field(default_factory=InfoDecoder)
 
 
 class WorkerPool:
@@ -243,16 +245,15 @@ class WorkerPool:
             if length == 0:
                 continue
             data = worker.conn.recv_bytes() if length == PAYLOAD_ON_PIPE else worker.payload[:length].data
-            result = pickle.loads(data)
             if worker.control[STATUS] == ERROR:
-                error = error or result
+                error = error or pickle.loads(data)
             else:
-                records.extend(result)
+                records.extend(worker.info_decoder.decode(data))
         if error is not None:
             try:
                 reraise(error)
             finally:
-                error = result = None
+                error = None
         return records
 
     def finish_quietly(self, workers: Sequence[WorkerHandle]) -> None:

@@ -24,6 +24,7 @@ from stable_baselines3.common.env_util import is_wrapped
 from stable_baselines3.common.vec_env.patch_gym import _patch_env
 
 from sb3_speedups.common.vec_env.env_group import EnvGroup, annotate, error_record, obs_keys
+from sb3_speedups.common.vec_env.info_codec import InfoEncoder
 from sb3_speedups.common.vec_env.shared_memory import ArraySpec, SharedArrays
 
 # Control row of each worker (int64 slots)
@@ -113,6 +114,7 @@ class Worker:
         self.active = np.zeros(0, dtype=bool)
         self.action_views: dict[int, np.ndarray] = {}
         self.action_shape: tuple[int, ...] = ()
+        self.info_encoder = InfoEncoder()
         self.pipe_handlers: dict[str, Callable[[Any], Any]] = {
             "rehearse": self._rehearse,
             "make_envs": self._make_envs,
@@ -162,7 +164,7 @@ class Worker:
                 actions = view.copy()
             records = self.group.step(actions, self.active)
             self.control[STATUS] = OK
-            self._send_payload(pickle.dumps(records, protocol=pickle.HIGHEST_PROTOCOL) if records else b"")
+            self._send_payload(self.info_encoder.encode(records) if records else b"")
         except Exception as exc:
             self.control[STATUS] = ERROR
             self._send_payload(pickle.dumps(error_record(exc), protocol=pickle.HIGHEST_PROTOCOL))
