@@ -1,9 +1,12 @@
 import json
+import subprocess
+import sys
 
 import pytest
 
 from sb3_speedups.bench.core import BenchConfig, plan_runs, summarize
 from sb3_speedups.bench.report import format_table
+from sb3_speedups.bench.worker import peak_rss_mb
 from sb3_speedups.cli import main
 from sb3_speedups.errors import UserError
 
@@ -94,3 +97,16 @@ def test_stock_1t_keeps_sb3_adam_settings():
         p.numel() for p in model.policy.parameters()
     )
     model.learn(32)
+
+
+def test_peak_rss_counts_live_descendants_not_ended_ones():
+    base = peak_rss_mb()
+    code = "import sys, time; b = b'x' * (100 * 2**20); print('ready', flush=True); time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        assert peak_rss_mb() >= base + 90
+    finally:
+        child.kill()
+        child.wait()
+    assert peak_rss_mb() < base + 50

@@ -6,6 +6,7 @@ settings, caches and peak memory of one run never leak into the next. Prints one
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -114,10 +115,42 @@ def use_fused_adam(model: Any) -> None:
     model.policy.optimizer = th.optim.Adam(groups, **settings, fused=True)
 
 
-def _peak_rss_mb() -> float:
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return (own + children) / 1024.0
+def _descendants(pid: int) -> list[int]:
+    """:return: the live descendants of ``pid`` (Linux ``/proc``; empty elsewhere)"""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, stack = [], list(children.get(pid, []))
+    while stack:
+        child = stack.pop()
+        found.append(child)
+        stack.extend(children.get(child, []))
+    return found
+
+
+def _high_water_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("VmHWM:")), 0)
+    except OSError:
+        return 0
+
+
+def peak_rss_mb() -> float:
+    """
+    :return: this process's peak resident memory plus that of its live descendants (VecEnv workers), in MB. Call it
+        before the envs close. Ended children are left out on purpose: ``RUSAGE_CHILDREN`` reports a forked helper
+        with its parent's whole size at the fork (one such reading doubled a DQN run's figure).
+    """
+    own_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return (own_kb + sum(_high_water_kb(pid) for pid in _descendants(os.getpid()))) / 1024.0
 
 
 def run(bench: BenchRun) -> dict[str, Any]:
@@ -154,6 +187,7 @@ def run(bench: BenchRun) -> dict[str, Any]:
         learn_seconds = curve.learn_seconds()
         sync_envs_normalization(env, eval_env)
         mean, std = evaluate(model, eval_env, bench.eval_episodes, True)
+        peak_mb = peak_rss_mb()
     finally:
         env.close()
         eval_env.close()
@@ -170,7 +204,7 @@ def run(bench: BenchRun) -> dict[str, Any]:
         "reached_target": curve.reached_at is not None,
         "time_to_target": curve.reached_at[0] if curve.reached_at else None,
         "steps_to_target": curve.reached_at[1] if curve.reached_at else None,
-        "peak_rss_mb": _peak_rss_mb(),
+        "peak_rss_mb": peak_mb,
     }
 
 
