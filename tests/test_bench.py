@@ -1,12 +1,13 @@
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
 from sb3_speedups.bench.core import BenchConfig, plan_runs, summarize
 from sb3_speedups.bench.report import format_table
-from sb3_speedups.bench.worker import peak_rss_mb
+from sb3_speedups.bench.memory import PeakMemory, tree_pss_mb
 from sb3_speedups.cli import main
 from sb3_speedups.errors import UserError
 
@@ -50,7 +51,7 @@ def _record(variant, seconds, reached=True, to_target=1.0):
         "learn_seconds": seconds,
         "steps_per_second": 100 / seconds,
         "final_return_mean": 500.0,
-        "peak_rss_mb": 300.0,
+        "peak_memory_mb": 300.0,
         "reached_target": reached,
         "time_to_target": to_target if reached else None,
         "target_return": 475.0,
@@ -78,7 +79,7 @@ def test_bench_command_writes_json_and_png(tmp_path, capsys):
     result = json.loads((tmp_path / "ppo_CartPole-v1.json").read_text())
     assert [r["variant"] for r in result["records"]] == ["ours", "stock-1t"]
     assert [r["num_threads"] for r in result["records"]] == [1, 1]
-    assert all(r["timesteps"] == 512 and len(r["curve"]) == 2 and r["peak_rss_mb"] > 0 for r in result["records"])
+    assert all(r["timesteps"] == 512 and len(r["curve"]) == 2 and r["peak_memory_mb"] > 0 for r in result["records"])
     assert (tmp_path / "ppo_CartPole-v1.png").stat().st_size > 1000
     assert "| ours |" in capsys.readouterr().out
 
@@ -99,14 +100,17 @@ def test_stock_1t_keeps_sb3_adam_settings():
     model.learn(32)
 
 
-def test_peak_rss_counts_live_descendants_not_ended_ones():
-    base = peak_rss_mb()
+def test_peak_memory_counts_live_descendants_not_ended_ones():
+    base = tree_pss_mb()
     code = "import sys, time; b = b'x' * (100 * 2**20); print('ready', flush=True); time.sleep(60)"
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
-        assert peak_rss_mb() >= base + 90
-    finally:
-        child.kill()
-        child.wait()
-    assert peak_rss_mb() < base + 50
+    with PeakMemory(interval_s=0.05) as memory:
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+            assert tree_pss_mb() >= base + 90
+            time.sleep(0.3)  # a few sampling intervals
+        finally:
+            child.kill()
+            child.wait()
+    assert memory.peak_mb >= base + 90  # the child was sampled while it lived
+    assert tree_pss_mb() < base + 50  # an ended child no longer counts

@@ -131,7 +131,7 @@ def summarize(records: list[dict[str, Any]], variants: list[str]) -> dict[str, A
             "median_steps_per_second": statistics.median(r["steps_per_second"] for r in rows),
             "final_returns": returns,
             "median_final_return": statistics.median(returns),
-            "median_peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in rows),
+            "median_peak_memory_mb": statistics.median(r["peak_memory_mb"] for r in rows),
             "success_rate": sum(r["reached_target"] for r in rows) / len(rows),
             "median_time_to_target": statistics.median(to_target),
         }

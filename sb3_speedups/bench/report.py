@@ -16,7 +16,9 @@ def format_table(summary: dict[str, Any], target: bool = False) -> str:
     """
     time_key, time_name = ("median_time_to_target", "median time to target (s)") if target else (
         "median_learn_seconds", "median learn() (s)")  # fmt: skip
-    header = f"| variant | class | threads | {time_name} | speed-up of ours | steps/s | final returns | peak RSS (MB) |"
+    header = (
+        f"| variant | class | threads | {time_name} | speed-up of ours | steps/s | final returns | peak PSS (MB) |"
+    )
     if target:
         header += " success |"
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
@@ -27,7 +29,7 @@ def format_table(summary: dict[str, Any], target: bool = False) -> str:
         name = stats["class"].rsplit(".", 1)[-1]
         row = (
             f"| {variant} | {name} | {stats['num_threads']} | {stats[time_key]:.2f} | {speedup} | "
-            f"{stats['median_steps_per_second']:.0f} | {returns} | {stats['median_peak_rss_mb']:.0f} |"
+            f"{stats['median_steps_per_second']:.0f} | {returns} | {stats['median_peak_memory_mb']:.0f} |"
         )
         if target:
             row += f" {stats['success_rate']:.0%} |"

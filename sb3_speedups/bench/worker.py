@@ -6,8 +6,6 @@ settings, caches and peak memory of one run never leak into the next. Prints one
 from __future__ import annotations
 
 import json
-import os
-import resource
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -17,6 +15,7 @@ import torch as th
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.vec_env import VecEnv, sync_envs_normalization
 
+from sb3_speedups.bench.memory import PeakMemory
 from sb3_speedups.zoo.evaluation import evaluate
 
 # Variants: ours (our class, its own defaults), stock (stock class, torch defaults), stock-1t (stock class with
@@ -115,44 +114,6 @@ def use_fused_adam(model: Any) -> None:
     model.policy.optimizer = th.optim.Adam(groups, **settings, fused=True)
 
 
-def _descendants(pid: int) -> list[int]:
-    """:return: the live descendants of ``pid`` (Linux ``/proc``; empty elsewhere)"""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found, stack = [], list(children.get(pid, []))
-    while stack:
-        child = stack.pop()
-        found.append(child)
-        stack.extend(children.get(child, []))
-    return found
-
-
-def _high_water_kb(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next((int(line.split()[1]) for line in f if line.startswith("VmHWM:")), 0)
-    except OSError:
-        return 0
-
-
-def peak_rss_mb() -> float:
-    """
-    :return: this process's peak resident memory plus that of its live descendants (VecEnv workers), in MB. Call it
-        before the envs close. Ended children are left out on purpose: ``RUSAGE_CHILDREN`` reports a forked helper
-        with its parent's whole size at the fork (one such reading doubled a DQN run's figure).
-    """
-    own_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return (own_kb + sum(_high_water_kb(pid) for pid in _descendants(os.getpid()))) / 1024.0
-
-
 def run(bench: BenchRun) -> dict[str, Any]:
     """
     Build the run with the zoo's own functions, time ``learn()``, evaluate.
@@ -175,22 +136,23 @@ def run(bench: BenchRun) -> dict[str, Any]:
     if variant == "stock-1t":
         th.set_num_threads(1)
     hp = experiment.hyperparams
-    env = make_env(bench.env_id, hp, hp.n_envs, bench.seed, vec_env=bench.vec_env)
-    eval_env = make_env(bench.env_id, hp, 1, bench.seed + 1000, eval_env=True)
-    try:
-        model = create_model(experiment, env)
-        if variant == "stock-1t":
-            use_fused_adam(model)
-        every = max(hp.n_timesteps // bench.curve_points, 1) if bench.curve_points > 0 else hp.n_timesteps + 1
-        curve = LearningCurveCallback(eval_env, every, max(bench.eval_episodes // 2, 1), bench.target_return)
-        model.learn(hp.n_timesteps, callback=curve)
-        learn_seconds = curve.learn_seconds()
-        sync_envs_normalization(env, eval_env)
-        mean, std = evaluate(model, eval_env, bench.eval_episodes, True)
-        peak_mb = peak_rss_mb()
-    finally:
-        env.close()
-        eval_env.close()
+    with PeakMemory() as memory:
+        env = make_env(bench.env_id, hp, hp.n_envs, bench.seed, vec_env=bench.vec_env)
+        eval_env = make_env(bench.env_id, hp, 1, bench.seed + 1000, eval_env=True)
+        try:
+            model = create_model(experiment, env)
+            if variant == "stock-1t":
+                use_fused_adam(model)
+            every = max(hp.n_timesteps // bench.curve_points, 1) if bench.curve_points > 0 else hp.n_timesteps + 1
+            curve = LearningCurveCallback(eval_env, every, max(bench.eval_episodes // 2, 1), bench.target_return)
+            model.learn(hp.n_timesteps, callback=curve)
+            learn_seconds = curve.learn_seconds()
+            sync_envs_normalization(env, eval_env)
+            mean, std = evaluate(model, eval_env, bench.eval_episodes, True)
+            memory.sample()  # before the envs close: their workers count
+        finally:
+            env.close()
+            eval_env.close()
     return {
         **asdict(bench),
         "class": f"{type(model).__module__}.{type(model).__name__}",
@@ -204,7 +166,7 @@ def run(bench: BenchRun) -> dict[str, Any]:
         "reached_target": curve.reached_at is not None,
         "time_to_target": curve.reached_at[0] if curve.reached_at else None,
         "steps_to_target": curve.reached_at[1] if curve.reached_at else None,
-        "peak_rss_mb": peak_mb,
+        "peak_memory_mb": memory.peak_mb,
     }
 
 
