@@ -219,3 +219,18 @@ def test_numpy_forward_matches_the_policy(policy_kwargs, numpy_path):
     th.testing.assert_close(
         actor.act(obs)[1], policy.predict_values(th.as_tensor(obs, dtype=th.float32)).detach(), atol=1e-6, rtol=0
     )
+
+
+def test_numpy_forward_only_for_single_threaded_products():
+    policy = make_policy(ACTION_SPACES["discrete"], net_arch=[256, 256])
+    actor = LeanActorCritic(policy, make_head(policy.action_dist, policy.action_space))
+    assert actor._numpy is not None
+    assert actor._numpy.accepts(1) and not actor._numpy.accepts(8)  # 8 x 256 x 256 would spread over BLAS threads
+    obs = np.random.default_rng(2).uniform(-1, 1, (8, 5)).astype(np.float32)
+    th.manual_seed(4)
+    with th.no_grad():
+        actions, values, _ = policy(th.as_tensor(obs))
+    th.manual_seed(4)
+    lean_actions, lean_values, _ = actor.act(obs)  # through torch
+    np.testing.assert_array_equal(lean_actions, actions.numpy())
+    th.testing.assert_close(lean_values, values, rtol=0, atol=1e-6)

@@ -16,9 +16,7 @@ def format_table(summary: dict[str, Any], target: bool = False) -> str:
     """
     time_key, time_name = ("median_time_to_target", "median time to target (s)") if target else (
         "median_learn_seconds", "median learn() (s)")  # fmt: skip
-    header = (
-        f"| variant | class | threads | {time_name} | speed-up of ours | steps/s | final returns | peak PSS (MB) |"
-    )
+    header = f"| variant | class | threads | {time_name} | speed-up of ours | steps/s | final returns | peak PSS (MB) |"
     if target:
         header += " success |"
     lines = [header, "|" + "---|" * (header.count("|") - 1)]

@@ -239,7 +239,7 @@ class LeanActorCritic:
         :return: sampled actions, values ``[n, 1]`` and log-probabilities ``[n]`` for a batch of observations (the
             copy's tensors never require gradients, so no autograd state is recorded without any grad-mode context)
         """
-        if self._numpy is not None and isinstance(obs, np.ndarray):
+        if self._numpy is not None and isinstance(obs, np.ndarray) and self._numpy.accepts(obs.shape[0]):
             out, np_values = self._numpy.forward(obs)
             np_actions, log_prob = self.head.sample_numpy(out, self.log_std)
             return np_actions, th.from_numpy(np_values), log_prob

@@ -24,6 +24,8 @@ _NUMPY_ACTIVATIONS: dict[Any, Callable[[np.ndarray], Any]] = {
 }
 
 
+# OpenBLAS's single-thread limit is 4 * 65,536; a margin below it.
+_SINGLE_THREAD_MNK = 65_536
 _NumpyLayer = tuple[np.ndarray, "np.ndarray | None", Callable[[np.ndarray], Any]]
 
 
@@ -48,6 +50,18 @@ class NumpyActorCritic:
         value_net: tuple[np.ndarray, np.ndarray | None],
     ) -> None:
         self.chains, self.action_net, self.value_net = chains, action_net, value_net
+        weights = [w for chain in chains for w, _, _ in chain] + [action_net[0], value_net[0]]
+        self.max_layer_size = max(int(w.shape[-2]) * int(w.shape[-1]) for w in weights)
+
+    def accepts(self, n: int) -> bool:
+        """
+        :param n: observations in the batch
+        :return: whether every matrix product of the batch stays single-threaded in numpy's BLAS. OpenBLAS splits a
+            product over threads above ``m * n * k = 262,144``, and its threads then spin on every core for a while:
+            measured here, PPO on HalfCheetah-v5 (8 envs, 256x256 networks) with a BatchedSubprocVecEnv worker
+            starved by them, 1,384 us per step instead of 477 us. Larger batches act through torch.
+        """
+        return n * self.max_layer_size <= _SINGLE_THREAD_MNK
 
     @classmethod
     def build(cls, actor: LeanActorCritic) -> NumpyActorCritic | None:
