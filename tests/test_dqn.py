@@ -293,3 +293,15 @@ def test_bundled_fast_config_and_prioritized_yaml_build_our_options():
     experiment = prepare_experiment(TrainConfig("dqn", "CartPole-v1", n_timesteps=100, seed=0, hyperparams=overrides))
     model = create_model(experiment, make_env("CartPole-v1", experiment.hyperparams, 1, seed=0))
     assert type(model.replay_buffer).__name__ == "PrioritizedReplayBuffer" and model.combined_replay
+
+
+def test_hand_derived_update_runs_under_inference_mode_and_outside_it():
+    model = DQN("MlpPolicy", "CartPole-v1", learning_starts=32, train_freq=4, gradient_steps=2, batch_size=16, seed=0)
+    model.learn(128)  # train() ran the update under inference mode
+    updater = model._ensure_speedups().updater
+    assert isinstance(updater, ManualQUpdate)
+    obs = th.zeros(16, 4)
+    q = updater.q_values(obs)  # reuses the forward buffers outside inference mode
+    td = updater.step(obs, th.zeros(16, 1, dtype=th.long), q[:, :1].detach().clone() + 1.0, None, 10.0)
+    assert td.shape == (16, 1) and not any(p.is_inference() for p in model.policy.parameters())
+    model.learn(128)

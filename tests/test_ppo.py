@@ -311,3 +311,21 @@ def test_cartpole_improves():
     model.learn(20_000)
     trained, _ = evaluate_policy(model, env, n_eval_episodes=16, deterministic=False)
     assert trained > max(150.0, 3 * untrained)
+
+
+def test_hand_derived_update_runs_under_inference_mode_and_outside_it():
+    model = PPO("MlpPolicy", "CartPole-v1", n_steps=16, batch_size=32, n_epochs=2, seed=0)
+    model.learn(64)  # train() ran the update under inference mode
+    speed = model._ensure_speedups()
+    assert isinstance(speed.updater, ManualPPOUpdate)
+    sampler = model._sampler(speed)
+    model._load_rollout(speed, sampler)
+    sampler.shuffle()  # its cached buffers are normal tensors: usable outside inference mode
+    minibatch = next(iter(sampler.minibatches()))
+    before = [p.detach().clone() for p in model.policy.parameters()]
+    speed.updater.forward(minibatch, PPOLossConfig(0.2, None, 0.0, 0.5, 0.5), th.empty(len(STATS)))
+    speed.updater.backward()
+    speed.updater.optimizer_step(0.5)
+    assert not any(p.is_inference() for p in model.policy.parameters())
+    assert any(not th.equal(p, q) for p, q in zip(model.policy.parameters(), before, strict=True))
+    model.learn(64)  # and back under inference mode

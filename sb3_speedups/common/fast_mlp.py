@@ -153,11 +153,12 @@ class MlpChain:
         self.grad_biases = [flat.stacked([chain[k].bias for chain in layers], grad=True) for k in range(depth)]
         self.ws: dict[int, list[th.Tensor]] = {}
 
+    @th.inference_mode(False)
     def _workspace(self, n: int, x: th.Tensor) -> list[th.Tensor]:
-        if n not in self.ws:
-            g = self.groups
-            self.ws[n] = [th.empty(g, n, w.shape[1], device=x.device) for w in self.weights]  # activations
-            self.ws[n] += [th.empty(g, n, w.shape[1], device=x.device) for w in self.weights]  # their gradients
+        # Allocated as normal tensors even when the update runs under inference mode, so they work in any mode.
+        g = self.groups
+        self.ws[n] = [th.empty(g, n, w.shape[1], device=x.device) for w in self.weights]  # activations
+        self.ws[n] += [th.empty(g, n, w.shape[1], device=x.device) for w in self.weights]  # their gradients
         return self.ws[n]
 
     def forward(self, x: th.Tensor) -> th.Tensor:
@@ -166,7 +167,7 @@ class MlpChain:
         h = x.expand(self.groups, n, x.shape[1])
         if not self.weights:
             return h
-        ws = self._workspace(n, x)
+        ws = self.ws.get(n) or self._workspace(n, x)
         self.x = h
         for k, (w_t, b) in enumerate(zip(self.weights_t, self.biases, strict=True)):
             h = affine_activation_(b, h, w_t, ws[k], self.kind)
@@ -238,15 +239,18 @@ class ActorCriticMlp:
         :return: the action net's output ``[n, n_actions_out]`` and the values ``[n]`` (reused buffers)
         """
         n = x.shape[0]
-        if n not in self._out:
-            n_out = self.action_weight.shape[0]
-            values = th.empty(n, 1, device=x.device)
-            self._out[n] = (th.empty(n, n_out, device=x.device), values, th.empty(n, n_out, device=x.device), values.view(-1))
-        out, values, _, values_flat = self._out[n]
+        out, values, _, values_flat = self._out.get(n) or self._allocate_out(n, x.device)
         self.latent_pi, self.latent_vf = self._latents(x)
         th.addmm(self.action_bias, self.latent_pi, self.action_weight_t, out=out)
         th.addmm(self.value_bias, self.latent_vf, self.value_weight_t, out=values)
         return out, values_flat
+
+    @th.inference_mode(False)
+    def _allocate_out(self, n: int, device: th.device) -> tuple[th.Tensor, th.Tensor, th.Tensor, th.Tensor]:
+        n_out = self.action_weight.shape[0]
+        values = th.empty(n, 1, device=device)
+        self._out[n] = (th.empty(n, n_out, device=device), values, th.empty(n, n_out, device=device), values.view(-1))
+        return self._out[n]
 
     def d_out_buffer(self, n: int) -> th.Tensor:
         """:return: a buffer for the gradient of the action net's output (filled by the action head)"""

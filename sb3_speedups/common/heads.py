@@ -154,7 +154,7 @@ class CategoricalHead(ActionHead):
         logits = shifted - np.log(total)
         q = th.empty(out.shape, dtype=th.float32).exponential_().numpy()
         actions = np.argmax(np.divide(exp, total, out=exp) / q, axis=1)
-        return actions, th.from_numpy(np.take_along_axis(logits, actions[:, None], axis=1).reshape(-1))
+        return actions, th.from_numpy(logits[np.arange(len(actions)), actions])
 
     def log_prob_entropy(self, out: th.Tensor, actions: th.Tensor, log_std: th.Tensor | None) -> tuple[th.Tensor, th.Tensor]:
         index = actions.long().view(out.shape[0], len(self.nvec))

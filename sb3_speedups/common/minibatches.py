@@ -51,6 +51,12 @@ def normalize_chunks_(x: th.Tensor, chunk: int) -> None:
         part.sub_(mean).div_(std.add_(1e-8))
 
 
+@th.inference_mode(False)
+def _empty(shape: list[int], like: th.Tensor) -> th.Tensor:
+    """A normal tensor even under inference mode (PPO's hand-derived update runs there), usable in any mode."""
+    return th.empty(shape, dtype=like.dtype, device=like.device)
+
+
 class MinibatchSampler:
     """
     Holds one rollout on the training device and serves its shuffled minibatches, epoch after epoch.
@@ -112,7 +118,7 @@ class MinibatchSampler:
         shape[dim] = index.shape[0]
         out = self._epoch.get(name)
         if out is None or list(out.shape) != shape or out.dtype != source.dtype or out.device != source.device:
-            out = self._epoch[name] = th.empty(shape, dtype=source.dtype, device=source.device)
+            out = self._epoch[name] = _empty(shape, source)
         return th.index_select(source, dim, index, out=out)
 
     def shuffle(self) -> None:

@@ -78,7 +78,9 @@ class ManualPPOUpdate:
         """:return: the observations as the network's float input ``[N, obs_dim]``"""
         return observations.reshape(observations.shape[0], -1).float()
 
+    @th.inference_mode(False)
     def _workspace(self, n: int, device: th.device) -> dict[str, Any]:
+        # Normal tensors even when allocated under inference mode (train() runs there), so they work in any mode.
         if n not in self._ws:
             ws: dict[str, Any] = {"rows": th.empty(len(STATS), n, device=device)}
             for name in ("log_prob", "clipped", "s1", "s2", "err", "dv", "dv_clipped", "g_log_prob", "mask"):

@@ -230,14 +230,17 @@ class DQN(stable_baselines3.DQN):
         self._update_learning_rate(self.policy.optimizer)
         tds: list[th.Tensor] = []
         weights: list[th.Tensor] | None = None
-        if _is_prioritized(self.replay_buffer):
-            weights = self._train_prioritized(speed.updater, gradient_steps, batch_size, tds)
-        elif batchable(self.replay_buffer):
-            self._train_batched(speed.updater, gradient_steps, batch_size, tds)
-        else:
-            for _ in range(gradient_steps):
-                data = self.replay_buffer.sample(batch_size, env=self._vec_normalize_env)  # type: ignore[union-attr]
-                tds.append(self._step(speed.updater, data, None))
+        # The hand-derived update needs no autograd: without its dispatch every op is cheaper. Its buffers and the
+        # TD errors it returns are inference tensors.
+        with th.inference_mode(isinstance(speed.updater, ManualQUpdate)):
+            if _is_prioritized(self.replay_buffer):
+                weights = self._train_prioritized(speed.updater, gradient_steps, batch_size, tds)
+            elif batchable(self.replay_buffer):
+                self._train_batched(speed.updater, gradient_steps, batch_size, tds)
+            else:
+                for _ in range(gradient_steps):
+                    data = self.replay_buffer.sample(batch_size, env=self._vec_normalize_env)  # type: ignore[union-attr]
+                    tds.append(self._step(speed.updater, data, None))
         self._n_updates += gradient_steps
         if speed.mirror is not None:
             speed.mirror.sync()
