@@ -76,8 +76,7 @@ class NumpyActorCritic:
             return out
 
         if actor.stacked:
-            acts = [act for _, _, act in actor.layers]
-            if any(act not in _NUMPY_ACTIVATIONS for act in acts):
+            if any(act not in _NUMPY_ACTIVATIONS for _, _, act in actor.layers):
                 return None
             chains: list[list[_NumpyLayer]] = [[(w.numpy(), b.numpy(), _NUMPY_ACTIVATIONS[act]) for w, b, act in actor.layers]]
         else:

@@ -230,8 +230,8 @@ class DQN(stable_baselines3.DQN):
         self._update_learning_rate(self.policy.optimizer)
         tds: list[th.Tensor] = []
         weights: list[th.Tensor] | None = None
-        # The hand-derived update needs no autograd: without its dispatch every op is cheaper. Its buffers and the
-        # TD errors it returns are inference tensors.
+        # The hand-derived update needs no autograd: without its dispatch every op is cheaper. The TD errors it returns
+        # are inference tensors (read-only outside); its cached buffers are normal tensors.
         with th.inference_mode(isinstance(speed.updater, ManualQUpdate)):
             if _is_prioritized(self.replay_buffer):
                 weights = self._train_prioritized(speed.updater, gradient_steps, batch_size, tds)
