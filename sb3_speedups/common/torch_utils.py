@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch as th
 
@@ -12,11 +14,22 @@ _THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_NUM_THREADS")
 # Measured on 2-core machines (shared/MEASUREMENTS.md): small MLPs are as fast on 1 thread as on 2, and far
 # steadier when anything else runs on the machine.
 DEFAULT_CPU_THREADS = 1
+# Updates whose largest matrix product has at least this many multiply-adds run faster on 2 threads than on 1
+# (measured here, one DQN gradient step of a 256x256 net plus its share of the target forward: batch 64, 4.2M,
+# 1.2-1.4x; batch 128 1.4x), while PPO's 64x64 nets at batch 256 (1.0M) are slower on 2 (shared/MEASUREMENTS.md).
+PARALLEL_GEMM_MACS = 2_000_000
+# Thread count for large updates: measured on 2 cores only, so never more than 2.
+PARALLEL_UPDATE_THREADS = 2
+# The value this package last set as its default (so that it is not mistaken for the user's choice).
+_package_set: int | None = None
 
 
 def user_chose_num_threads() -> bool:
     """:return: whether the thread count was set explicitly (environment variable or ``th.set_num_threads``)"""
-    return any(var in os.environ for var in _THREAD_ENV_VARS) or th.get_num_threads() != _STARTUP_NUM_THREADS
+    if any(var in os.environ for var in _THREAD_ENV_VARS):
+        return True
+    current = th.get_num_threads()
+    return current != _STARTUP_NUM_THREADS and current != _package_set
 
 
 def apply_num_threads(num_threads: int | None) -> int:
@@ -27,11 +40,57 @@ def apply_num_threads(num_threads: int | None) -> int:
     :param num_threads: explicit thread count, or ``None`` for the default
     :return: the thread count in effect
     """
+    global _package_set
     if num_threads is not None and num_threads > 0:
         th.set_num_threads(num_threads)
     elif not user_chose_num_threads():
         th.set_num_threads(DEFAULT_CPU_THREADS)
+        _package_set = DEFAULT_CPU_THREADS
     return th.get_num_threads()
+
+
+def available_cpus() -> int:
+    """:return: the CPUs this process may run on"""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def update_num_threads(largest_gemm_macs: int, num_threads: int | None, device: th.device) -> int | None:
+    """
+    The thread count for an update, by the size of its matrix products: large products (at least
+    :data:`PARALLEL_GEMM_MACS` multiply-adds) get :data:`PARALLEL_UPDATE_THREADS` threads where the CPUs allow.
+
+    :param largest_gemm_macs: multiply-adds of the update's largest matrix product (rows x inputs x outputs)
+    :param num_threads: the algorithm's ``num_threads`` argument (set: the user chose, nothing changes)
+    :param device: where the update runs (only CPU updates are affected)
+    :return: the thread count to use during the update, or ``None`` to keep the current one
+    """
+    if num_threads is not None or device.type != "cpu" or user_chose_num_threads():
+        return None
+    if largest_gemm_macs < PARALLEL_GEMM_MACS:
+        return None
+    return max(min(PARALLEL_UPDATE_THREADS, available_cpus()), th.get_num_threads())
+
+
+@contextmanager
+def num_threads_during(num_threads: int | None) -> Iterator[None]:
+    """
+    Run the block with ``num_threads`` torch threads and restore the previous count after it (switching costs
+    ~0.3 us).
+
+    :param num_threads: thread count, or ``None`` to leave it as it is
+    """
+    previous = th.get_num_threads()
+    if num_threads is None or num_threads == previous:
+        yield
+        return
+    th.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        th.set_num_threads(previous)
 
 
 def forward_in_blocks(net: th.nn.Module, x: th.Tensor, rows: int = 1024) -> th.Tensor:

@@ -9,7 +9,9 @@ DQN as in Stable-Baselines3, faster, with modern replay options. What differs fr
   :class:`~sb3_speedups.common.q_update.AutogradQUpdate`; the loss is logged once per ``train()``;
 - actions come from a plain-tensor copy of the Q-network (:class:`~sb3_speedups.common.inference.LeanMlp`), one
   call for all envs, synced once per rollout;
-- torch runs on one CPU thread unless the user chose otherwise.
+- torch runs on one CPU thread unless the user chose otherwise, except in ``train()`` when the Q-network's matrix
+  products are large (batch x layer inputs x outputs >= 2M multiply-adds, e.g. the RL Zoo's 256x256 nets): there
+  two threads are faster (:func:`~sb3_speedups.common.torch_utils.update_num_threads`).
 
 Options, off by default so that the defaults are stock SB3 DQN: ``double_q``, ``combined_replay``, dueling heads
 (``policy_kwargs=dict(dueling=True)``), and prioritised replay (any ``replay_buffer_class`` with ``update_priorities``,
@@ -37,7 +39,12 @@ from sb3_speedups.common.replay_sampling import (
     newest_indices,
     sample_minibatches,
 )
-from sb3_speedups.common.torch_utils import apply_num_threads, forward_in_blocks
+from sb3_speedups.common.torch_utils import (
+    apply_num_threads,
+    forward_in_blocks,
+    num_threads_during,
+    update_num_threads,
+)
 from sb3_speedups.dqn.policies import DUELING_POLICIES
 from sb3_speedups.errors import UserError
 
@@ -54,6 +61,8 @@ class _Speedups:
     actor: LeanMlp | None
     online: list[th.Tensor]
     target: list[th.Tensor]
+    #: inputs x outputs of the Q-network's largest ``Linear`` layer (for the update's thread count)
+    largest_linear: int
 
 
 class DQN(stable_baselines3.DQN):
@@ -171,7 +180,8 @@ class DQN(stable_baselines3.DQN):
             print(f"sb3_speedups DQN: using the autograd update ({reason})")
         online = [*self.q_net.parameters(), *self.batch_norm_stats]
         target = [*self.q_net_target.parameters(), *self.batch_norm_stats_target]
-        self._speedups = _Speedups(updater, reason, mirror, actor, online, target)
+        largest = max((m.in_features * m.out_features for m in self.q_net.modules() if isinstance(m, th.nn.Linear)), default=0)
+        self._speedups = _Speedups(updater, reason, mirror, actor, online, target, largest)
         return self._speedups
 
     # ----- collection ---------------------------------------------------------------------------------------------
@@ -230,9 +240,10 @@ class DQN(stable_baselines3.DQN):
         self._update_learning_rate(self.policy.optimizer)
         tds: list[th.Tensor] = []
         weights: list[th.Tensor] | None = None
+        threads = update_num_threads(batch_size * speed.largest_linear, self.num_threads, self.device)
         # The hand-derived update needs no autograd: without its dispatch every op is cheaper. The TD errors it returns
         # are inference tensors (read-only outside); its cached buffers are normal tensors.
-        with th.inference_mode(isinstance(speed.updater, ManualQUpdate)):
+        with num_threads_during(threads), th.inference_mode(isinstance(speed.updater, ManualQUpdate)):
             if _is_prioritized(self.replay_buffer):
                 weights = self._train_prioritized(speed.updater, gradient_steps, batch_size, tds)
             elif batchable(self.replay_buffer):
