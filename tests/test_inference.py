@@ -9,7 +9,7 @@ from gymnasium import spaces
 from stable_baselines3.common.policies import ActorCriticPolicy, MultiInputActorCriticPolicy
 from torch import nn
 
-from sb3_speedups.common.fast_mlp import ActorCriticMlp
+from sb3_speedups.common.fast_mlp import ActorCriticMlp, BufferedMlpForward
 from sb3_speedups.common.heads import make_head, sample_one_per_row
 from sb3_speedups.common.inference import LeanActorCritic, LeanMlp, ModuleActorCritic, ParameterMirror
 from sb3_speedups.common.optim import FlatAdam, FlatParameters, adam_unsupported_reason
@@ -234,3 +234,27 @@ def test_numpy_forward_only_for_single_threaded_products():
     lean_actions, lean_values, _ = actor.act(obs)  # through torch
     np.testing.assert_array_equal(lean_actions, actions.numpy())
     th.testing.assert_close(lean_values, values, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("act", [nn.ReLU, nn.Tanh])
+def test_buffered_mlp_forward_equals_the_module_and_keeps_its_buffers(act):
+    th.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(5, 32), act(), nn.Linear(32, 32), act(), nn.Linear(32, 3))
+    forward = BufferedMlpForward.from_sequential(seq, rows=64)
+    assert forward is not None
+    x = th.randn(150, 5)  # two full blocks and a partial one
+    with th.no_grad():
+        expected = seq(x)
+    out = forward(x)
+    assert th.equal(out, expected)
+    pointer = out.data_ptr()
+    with th.inference_mode():  # as in DQN.train(): the kept buffers stay writable
+        again = forward(x * 2)
+    assert again.data_ptr() == pointer and not again.is_inference()
+    with th.no_grad():
+        assert th.equal(again, seq(x * 2))
+    with th.no_grad():  # it reads the layers' current weights
+        seq[0].weight.add_(1.0)
+        assert th.equal(forward(x), seq(x))
+    assert BufferedMlpForward.from_sequential(nn.Sequential(nn.Linear(5, 3), nn.Sigmoid())) is None
+    assert BufferedMlpForward.from_sequential(nn.Sequential(nn.Linear(5, 8), nn.ELU(), nn.Linear(8, 3))) is None

@@ -289,3 +289,77 @@ class ActorCriticMlp:
         for w, b in zip(chain.weights, chain.biases, strict=True):
             h = activation_(th.addmm(b[g, 0], h, w[g].t()), chain.kind)
         return th.addmm(self.value_bias, h, self.value_weight.t()).view(-1)
+
+
+class BufferedMlpForward:
+    """
+    ``mlp(x)`` for ``Linear`` layers with ReLU or Tanh between them (an SB3 ``QNetwork.q_net``), ``rows`` rows at a
+    time, into buffers kept from call to call. Same operations as the module's own forward (``addmm``, then the
+    activation in place), so the same values.
+
+    Why not just call the module: its activations are fresh tensors of hundreds of KB on every call, and once
+    glibc's dynamic mmap threshold has risen above their size they come from the heap, where small allocations that
+    live longer (the environment's, the interpreter's) split the freed blocks. Measured here on DQN LunarLander
+    (batch 128, 256x256, 4 gradient steps a call): the process grew by ~3 MB per 1,000 env steps, with the memory
+    in use constant and only the heap's free space growing (to +300 MB in a 100k-step run).
+
+    :param layers: the ``Linear`` layers, input to output
+    :param kind: the activation between them, ``"relu"`` or ``"tanh"`` (``None``: a single layer)
+    :param rows: rows per block (activations of thousands of rows spill out of the CPU caches)
+    """
+
+    def __init__(self, layers: Sequence[nn.Linear], kind: str | None, rows: int = 1024) -> None:
+        if len(layers) > 1 and kind not in ("relu", "tanh"):
+            raise ValueError(f"unsupported activation {kind!r}: choose 'relu' or 'tanh'")
+        self.layers, self.kind, self.rows = list(layers), kind, rows
+        self._hidden: dict[int, list[th.Tensor]] = {}
+        self._out: dict[int, th.Tensor] = {}
+
+    @classmethod
+    def from_sequential(cls, seq: nn.Module, rows: int = 1024) -> BufferedMlpForward | None:
+        """:return: the forward of ``Linear, act, ..., Linear`` (as ``QNetwork.q_net``), or ``None`` if not that"""
+        modules = list(seq.children()) if isinstance(seq, nn.Sequential) else []
+        if not modules or type(modules[-1]) is not nn.Linear:
+            return None
+        parsed = linear_layers(nn.Sequential(*modules[:-1]))
+        if parsed is None or any(lin.bias is None for lin in [*parsed[0], modules[-1]]):
+            return None
+        return cls([*parsed[0], modules[-1]], parsed[1], rows)
+
+    @th.inference_mode(False)
+    def _buffers(self, n: int, block: int, like: th.Tensor) -> tuple[th.Tensor, list[th.Tensor]]:
+        # Normal tensors even when called under inference mode, so that they can be written in any mode. Few distinct
+        # sizes occur in a run (one per train() shape); the caches are emptied if that ever stops being true.
+        if len(self._out) > 8:
+            self._out.clear()
+        if n not in self._out:
+            self._out[n] = th.empty(n, self.layers[-1].out_features, dtype=like.dtype, device=like.device)
+        if block not in self._hidden:
+            if len(self._hidden) > 8:
+                self._hidden.clear()
+            self._hidden[block] = [
+                th.empty(block, lin.out_features, dtype=like.dtype, device=like.device) for lin in self.layers[:-1]
+            ]
+        return self._out[n], self._hidden[block]
+
+    @th.no_grad()
+    def __call__(self, x: th.Tensor) -> th.Tensor:
+        """
+        :param x: inputs ``[n, in]``
+        :return: outputs ``[n, out]``, in a buffer that the next call with ``n`` rows overwrites
+        """
+        n = x.shape[0]
+        out, _ = self._buffers(n, min(n, self.rows), x)
+        for start in range(0, n, self.rows):
+            h = x[start : start + self.rows]
+            hidden = self._buffers(n, h.shape[0], x)[1]
+            for k, lin in enumerate(self.layers):
+                last = k == len(self.layers) - 1
+                dst = out[start : start + h.shape[0]] if last else hidden[k]
+                th.addmm(lin.bias, h, lin.weight.t(), out=dst)
+                if not last and self.kind == "relu":
+                    dst.relu_()
+                elif not last:
+                    dst.tanh_()
+                h = dst
+        return out

@@ -29,6 +29,7 @@ import torch as th
 from stable_baselines3.common.noise import ActionNoise
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
+from sb3_speedups.common.fast_mlp import BufferedMlpForward
 from sb3_speedups.common.inference import LeanMlp, ParameterMirror
 from sb3_speedups.common.q_update import AutogradQUpdate, ManualQUpdate, huber_, q_mlp_unsupported_reason
 from sb3_speedups.common.replay_buffers import PrioritizedReplayBuffer, PrioritizedReplayBufferSamples
@@ -63,6 +64,8 @@ class _Speedups:
     target: list[th.Tensor]
     #: inputs x outputs of the Q-network's largest ``Linear`` layer (for the update's thread count)
     largest_linear: int
+    #: the target network's forward into kept buffers (with the hand-derived update), else ``None``
+    target_forward: BufferedMlpForward | None
 
 
 class DQN(stable_baselines3.DQN):
@@ -170,8 +173,9 @@ class DQN(stable_baselines3.DQN):
             return speed
         reason = self.fast_path_unsupported_reason()
         updater: ManualQUpdate | AutogradQUpdate = AutogradQUpdate(self.policy) if reason else ManualQUpdate(self.policy)
-        mirror, actor = None, None
+        mirror, actor, target_forward = None, None, None
         if reason is None:
+            target_forward = BufferedMlpForward.from_sequential(self.q_net_target.q_net)
             params = list(self.q_net.parameters())
             mirror = ParameterMirror(params, "cpu")
             lookup = {id(p): c for p, c in zip(params, mirror.copies, strict=True)}
@@ -181,7 +185,7 @@ class DQN(stable_baselines3.DQN):
         online = [*self.q_net.parameters(), *self.batch_norm_stats]
         target = [*self.q_net_target.parameters(), *self.batch_norm_stats_target]
         largest = max((m.in_features * m.out_features for m in self.q_net.modules() if isinstance(m, th.nn.Linear)), default=0)
-        self._speedups = _Speedups(updater, reason, mirror, actor, online, target, largest)
+        self._speedups = _Speedups(updater, reason, mirror, actor, online, target, largest, target_forward)
         return self._speedups
 
     # ----- collection ---------------------------------------------------------------------------------------------
@@ -261,6 +265,14 @@ class DQN(stable_baselines3.DQN):
             loss = huber_(th.cat(tds), None if weights is None else th.cat(weights))
             self.logger.record("train/loss", float(loss))
 
+    def _target_q_values(self, obs: Any) -> th.Tensor:
+        """:return: ``Q_target(obs, .)``, in a buffer that the next call overwrites when the fast path runs"""
+        forward = self._ensure_speedups().target_forward
+        if forward is not None:
+            return forward(obs.reshape(obs.shape[0], -1).float())
+        with th.no_grad():
+            return forward_in_blocks(self.q_net_target, obs) if isinstance(obs, th.Tensor) else self.q_net_target(obs)
+
     def _step(
         self,
         updater: ManualQUpdate | AutogradQUpdate,
@@ -269,8 +281,7 @@ class DQN(stable_baselines3.DQN):
         next_q_target: th.Tensor | None = None,
     ) -> th.Tensor:
         if next_q_target is None:
-            with th.no_grad():
-                next_q_target = self.q_net_target(data.next_observations)
+            next_q_target = self._target_q_values(data.next_observations)
         with th.no_grad():
             target = self._targets(data, next_q_target, updater)
         return updater.step(data.observations, data.actions, target, weights, self.max_grad_norm)
@@ -282,8 +293,8 @@ class DQN(stable_baselines3.DQN):
         assert buffer is not None
         for n in chunk_sizes(gradient_steps, batch_size, buffer):
             data = sample_minibatches(buffer, batch_size, n, self._vec_normalize_env, combined=self.combined_replay)
+            next_q_all = self._target_q_values(data.next_observations)
             with th.no_grad():
-                next_q_all = forward_in_blocks(self.q_net_target, data.next_observations)
                 # Plain DQN targets only read the target network, constant inside train(): all at once.
                 targets = None if self.double_q else self._targets(data, next_q_all, updater)
             obs, actions = data.observations, data.actions.long()
