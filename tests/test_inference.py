@@ -12,7 +12,7 @@ from torch import nn
 from sb3_speedups.common.fast_mlp import ActorCriticMlp, BufferedMlpForward
 from sb3_speedups.common.heads import make_head, sample_one_per_row
 from sb3_speedups.common.inference import LeanActorCritic, LeanMlp, ModuleActorCritic, ParameterMirror
-from sb3_speedups.common.optim import FlatAdam, FlatParameters, adam_unsupported_reason
+from sb3_speedups.common.optim import FLUSH_SUBNORMALS_EVERY, FlatAdam, FlatParameters, adam_unsupported_reason
 
 ACTION_SPACES = {
     "discrete": spaces.Discrete(3),
@@ -171,6 +171,38 @@ def test_flat_adam_matches_torch_adam_and_saves_as_stock():
     assert not adam.is_bound()
     again = FlatAdam(flat, ours_policy.optimizer)
     assert again.is_bound() and float(again.steps[0]) == 5
+
+
+@pytest.mark.parametrize("eps, flushed", [(1e-8, True), (1e-12, False)])
+def test_flat_adam_flushes_subnormal_moments_without_changing_parameters(eps, flushed):
+    # Entries whose gradient stops (dead units) decay into subnormal numbers, which the CPU handles slowly.
+    th.manual_seed(0)
+    ours, stock = th.nn.Parameter(th.randn(64)), th.nn.Parameter(th.randn(64))
+    with th.no_grad():
+        stock.copy_(ours)
+    ours_opt, stock_opt = th.optim.Adam([ours], lr=1e-3, eps=eps), th.optim.Adam([stock], lr=1e-3, eps=eps)
+    flat = FlatParameters([ours])
+    adam = FlatAdam(flat, ours_opt)
+    tiny = th.finfo(th.float32).tiny
+    dead = th.arange(64) < 32
+    for step in range(1, 1200):
+        grad = th.randn(64) * 1e-3
+        grad[dead] = 1e-36 if step == 1 else 0.0  # tiny once, then nothing: m falls below `tiny` within steps
+        flat.grad.copy_(grad)
+        adam.step()
+        stock.grad = grad.clone()
+        stock_opt.step()
+        if step % FLUSH_SUBNORMALS_EVERY == 0:
+            m = adam.exp_avg
+            subnormal = int(((m != 0) & (m.abs() < tiny)).sum())
+            if flushed:
+                assert subnormal == 0
+            stock_m = stock_opt.state[stock]["exp_avg"]
+            if step == FLUSH_SUBNORMALS_EVERY * 2:
+                # stock keeps them (the case the flush is for); with a tiny eps ours keeps them too
+                assert int(((stock_m != 0) & (stock_m.abs() < tiny)).sum()) == 32
+                assert (subnormal == 0) == flushed
+    assert th.equal(ours.detach(), stock.detach()) if flushed else th.allclose(ours, stock, rtol=1e-5, atol=1e-7)
 
 
 def test_adam_support_checks():

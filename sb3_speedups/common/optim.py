@@ -14,6 +14,14 @@ from collections.abc import Sequence
 
 import torch as th
 
+#: Adam steps between two flushes of subnormal moments (:meth:`FlatAdam.flush_subnormal_moments`)
+FLUSH_SUBNORMALS_EVERY = 16
+#: the flush only runs with an Adam ``eps`` at least this large (torch's default 1e-8, SB3's PPO 1e-5), where a
+#: subnormal moment cannot change a parameter (see :meth:`FlatAdam.flush_subnormal_moments`)
+FLUSH_MIN_EPS = 1e-10
+# float32 exponent bits: all zero for zeros and subnormal numbers
+_EXPONENT_BITS = 0x7F800000
+
 
 class FlatParameters:
     """
@@ -147,6 +155,7 @@ class FlatAdam:
                     self.steps[i] = float(old["step"])
                 optimizer.state[p] = {"step": self.steps[i], "exp_avg": m, "exp_avg_sq": v}
         self._bound = [optimizer.state[p]["exp_avg"] for p in flat.params]
+        self._steps_since_flush = 0
 
     def is_bound(self) -> bool:
         """:return: whether the optimizer still holds our state views (``optimizer.load_state_dict`` replaces them)"""
@@ -179,3 +188,23 @@ class FlatAdam:
             maximize=False,
             grad_scale=grad_divisor,
         )
+        self._steps_since_flush += 1
+        if self._steps_since_flush >= FLUSH_SUBNORMALS_EVERY and float(group["eps"]) >= FLUSH_MIN_EPS:
+            self.flush_subnormal_moments()
+
+    def flush_subnormal_moments(self) -> None:
+        """
+        Set the moments' subnormal entries (below 1.2e-38 in size) to zero.
+
+        A unit that stops receiving gradient (a dead ReLU) has its first moment decay by ``beta1`` each step into the
+        subnormal range, where the CPU's arithmetic is many times slower: measured here on DQN LunarLander after 20k
+        steps, 19,667 of 69,124 entries subnormal and one fused Adam step 319 us against 51 us without them (1 thread).
+        Flushed, such an entry is exactly zero and stays so. The parameters do not change: the step of an entry is
+        ``lr * m_hat / (sqrt(v_hat) + eps)``; with ``eps >= 1e-10`` (:data:`FLUSH_MIN_EPS`) a subnormal ``m`` moves a
+        parameter by less than 1e-27, and a subnormal ``v`` (square root below 1.1e-19) changes the denominator by
+        less than float32's rounding.
+        """
+        self._steps_since_flush = 0
+        for moment in (self.exp_avg, self.exp_avg_sq):
+            bits = moment.view(th.int32)
+            bits.masked_fill_(bits.bitwise_and(_EXPONENT_BITS).eq(0), 0)
