@@ -68,7 +68,8 @@ def plot_curves(records: list[dict[str, Any]], path: str | Path, title: str = ""
     ax.set_ylabel("mean evaluation return (deterministic)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if seen:  # without learning curves (--curve-points 0) there is nothing to label
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
