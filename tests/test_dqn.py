@@ -286,7 +286,7 @@ def test_bundled_fast_config_and_prioritized_yaml_build_our_options():
     from sb3_speedups.zoo.train import TrainConfig, create_model, prepare_experiment
 
     conf = Path(__file__).resolve().parents[1] / "hyperparams" / "dqn_fast.yml"
-    for env_id in ("CartPole-v1", "LunarLander-v3", "Acrobot-v1"):
+    for env_id in ("CartPole-v1", "LunarLander-v3", "Acrobot-v1", "MountainCar-v0"):
         experiment = prepare_experiment(TrainConfig("dqn", env_id, n_timesteps=100, seed=0, conf_file=str(conf)))
         model = create_model(experiment, make_env(env_id, experiment.hyperparams, 1, seed=0))
         assert isinstance(model, DQN) and model.double_q and model.n_steps == 3
