@@ -267,7 +267,8 @@ class DQN(stable_baselines3.DQN):
 
     def _target_q_values(self, obs: Any) -> th.Tensor:
         """:return: ``Q_target(obs, .)``, in a buffer that the next call overwrites when the fast path runs"""
-        forward = self._ensure_speedups().target_forward
+        # Called per gradient step inside train(), which has already run _ensure_speedups().
+        forward = self._speedups.target_forward if self._speedups is not None else None
         if forward is not None:
             return forward(obs.reshape(obs.shape[0], -1).float())
         with th.no_grad():
