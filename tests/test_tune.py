@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import csv
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +169,32 @@ def _wait_for_running(log_folder: Path, count: int, proc: subprocess.Popen, time
 
 # long enough trials (several seconds) that the interrupt lands while they train
 SLOW = ["-n", "20000", "--n-evaluations", "2", "--seed", "4", "--verbose", "1"]
+
+
+def _claim_queued_trials(url: str, barrier: Any, results: Any) -> None:
+    study = optuna.load_study(study_name="queue", storage=open_storage(url))
+    barrier.wait()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # heartbeats are meant for optimize(); ask() is what optimize() calls
+        results.put([study.ask().number for _ in range(10)])
+
+
+def test_two_processes_never_claim_the_same_queued_sqlite_trial(tmp_path: Path) -> None:
+    # retried (queued) trials are claimed by read-then-write; on SQLite both processes used to get the same one
+    url = storage_url(None, tmp_path)
+    study = optuna.create_study(study_name="queue", storage=open_storage(url))
+    for i in range(20):
+        study.enqueue_trial({"x": i})
+    context = multiprocessing.get_context("fork")
+    barrier, results = context.Barrier(2), context.Queue()
+    procs = [context.Process(target=_claim_queued_trials, args=(url, barrier, results)) for _ in range(2)]
+    for proc in procs:
+        proc.start()
+    claimed = results.get(timeout=120) + results.get(timeout=120)
+    for proc in procs:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    assert sorted(claimed) == list(range(20))
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from optuna.pruners import BasePruner, MedianPruner, NopPruner, SuccessiveHalvin
 from optuna.samplers import BaseSampler, CmaEsSampler, RandomSampler, TPESampler
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend
+from sqlalchemy import Connection, Engine, event
 from sqlalchemy.exc import ArgumentError
 
 from sb3_speedups.errors import UserError
@@ -64,17 +65,21 @@ def open_storage(url: str) -> BaseStorage:
     engine_kwargs: dict = {}
     if url.startswith("sqlite:"):
         Path(url.partition(":///")[2]).parent.mkdir(parents=True, exist_ok=True)
-        # several worker processes share the file: wait for the lock instead of failing
-        engine_kwargs["connect_args"] = {"timeout": 60}
+        # several worker processes share the file: wait for the lock instead of failing; no implicit transactions
+        # from the driver (see _serialize_sqlite_transactions)
+        engine_kwargs["connect_args"] = {"timeout": 60, "isolation_level": None}
     else:
         engine_kwargs["pool_pre_ping"] = True
     for attempt in range(STORAGE_ATTEMPTS):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats are stable in practice
-                return RDBStorage(
+                storage = RDBStorage(
                     url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_INTERVAL_S, grace_period=GRACE_PERIOD_S
                 )
+            if url.startswith("sqlite:"):
+                _serialize_sqlite_transactions(storage.engine)
+            return storage
         except ImportError as exc:
             cause = exc.__cause__ if isinstance(exc.__cause__, ImportError) else exc
             extra = " (pip install 'sb3-speedups[postgres]')" if url.startswith("postgresql") else ""
@@ -89,6 +94,23 @@ def open_storage(url: str) -> BaseStorage:
                 f"cannot open storage {_redact(url)}: {first_line}; check the URL and that the server runs"
             ) from None
     raise AssertionError("unreachable")
+
+
+def _serialize_sqlite_transactions(engine: Engine) -> None:
+    """
+    Make every transaction on a SQLite file take the write lock when it begins (``BEGIN IMMEDIATE``).
+
+    Python's sqlite3 driver starts a transaction only at the first write, so a read-check-write such as Optuna
+    claiming a queued (WAITING) trial is not atomic: two worker processes both read WAITING and both set RUNNING,
+    run the same trial, and the second one fails when it reports (measured: 1 to 4 double claims in 20 queued
+    trials with 2 processes). PostgreSQL's ``SELECT ... FOR UPDATE``, which Optuna uses, has no such gap.
+    """
+
+    @event.listens_for(engine, "begin")
+    def _begin_immediate(connection: Connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()  # connections made before the listener start their transactions from now on too
 
 
 def _with_postgres_driver(url: str) -> str:
