@@ -4,6 +4,7 @@ import copy
 
 import numpy as np
 import pytest
+import stable_baselines3
 import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.policies import ActorCriticPolicy, MultiInputActorCriticPolicy
@@ -290,3 +291,18 @@ def test_buffered_mlp_forward_equals_the_module_and_keeps_its_buffers(act):
         assert th.equal(forward(x), seq(x))
     assert BufferedMlpForward.from_sequential(nn.Sequential(nn.Linear(5, 3), nn.Sigmoid())) is None
     assert BufferedMlpForward.from_sequential(nn.Sequential(nn.Linear(5, 8), nn.ELU(), nn.Linear(8, 3))) is None
+
+
+def test_copy_of_a_gsde_policy_after_training():
+    # gSDE keeps its exploration matrix as an autograd result, which deepcopy refuses: the copy (what a GPU-trained
+    # model acts from) takes it detached, with the same values
+    model = stable_baselines3.PPO("MlpPolicy", "Pendulum-v1", use_sde=True, n_steps=64, batch_size=64, n_epochs=1, seed=0)
+    model.learn(128)
+    exploration = model.policy.action_dist.exploration_mat
+    assert exploration.grad_fn is not None
+    actor = ModuleActorCritic(model.policy, copy=True)
+    copied = actor.policy.action_dist.exploration_mat
+    assert copied.grad_fn is None and th.equal(copied, exploration)
+    assert model.policy.action_dist.exploration_mat is exploration  # the original is left as it was
+    obs = np.zeros((3, 3), np.float32)
+    th.testing.assert_close(actor.predict_values(obs), model.policy.predict_values(th.as_tensor(obs)).view(-1).detach())

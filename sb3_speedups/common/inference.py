@@ -286,11 +286,38 @@ def lean_head(policy: nn.Module) -> ActionHead | None:
     return make_head(policy.action_dist, policy.action_space)
 
 
+def _non_leaf_tensors(obj: Any, found: dict[int, th.Tensor], seen: set[int], depth: int = 0) -> None:
+    """Collect tensors that autograd produced (``deepcopy`` refuses them) held by ``obj``'s attributes, recursively."""
+    if id(obj) in seen or depth > 8:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, th.Tensor):
+        if obj.grad_fn is not None:
+            found[id(obj)] = obj
+        return
+    if isinstance(obj, dict):
+        values: Any = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        values = obj
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        values = vars(obj).values()
+    else:
+        return
+    for value in values:
+        _non_leaf_tensors(value, found, seen, depth + 1)
+
+
 def copy_policy(policy: BasePolicy, device: th.device | str) -> BasePolicy:
-    """:return: a deep copy of ``policy`` on ``device``, without its optimizer (nothing drawn from the RNG)"""
+    """
+    :return: a deep copy of ``policy`` on ``device``, without its optimizer (nothing drawn from the RNG); tensors
+        that autograd produced (gSDE's exploration matrix) are copied detached
+    """
+    found: dict[int, th.Tensor] = {}
+    _non_leaf_tensors(policy, found, set())
+    memo: dict[int, Any] = {key: tensor.detach().clone() for key, tensor in found.items()}
     optimizer = policy.__dict__.pop("optimizer", None)
     try:
-        clone = copy.deepcopy(policy)
+        clone = copy.deepcopy(policy, memo)
     finally:
         if optimizer is not None:
             policy.optimizer = optimizer
