@@ -147,6 +147,50 @@ def test_hand_derived_gradients_equal_autograd(name, clip_range_vf, ent_coef):
     th.testing.assert_close(stats_manual, stats_autograd, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("clip_range_vf", [None, 0.15])
+def test_device_scalars_give_the_same_update(clip_range_vf):
+    # what a recorded CUDA graph reads the scheduled numbers from: the same loss, gradients and (up to the float32
+    # learning rate) step; back on host scalars, the arguments count again
+    th.manual_seed(0)
+    obs_space, action_space = spaces.Box(-1, 1, (5,)), ACTION_SPACES["discrete"]
+    policies = [ActorCriticPolicy(obs_space, action_space, lambda _: 1e-3) for _ in range(2)]
+    policies[1].load_state_dict(policies[0].state_dict())
+    n = 37
+    obs = th.randn(n, 5)
+    with th.no_grad():
+        actions = policies[0](obs)[0].float().reshape(n, -1)
+    args = (th.randn(n), th.randn(n) * 0.1 - 1.0, th.randn(n), th.randn(n))
+    head = make_head(policies[0].action_dist, action_space)
+    host, device = (ManualPPOUpdate(p, head) for p in policies)
+    cfg = PPOLossConfig(0.1, clip_range_vf, 0.01, 0.5, 0.5)
+    device.set_device_scalars(PPOLossConfig(0.3, 0.4, 0.01, 0.5, 0.5), 5e-3)
+    device.set_device_scalars(cfg, 1e-3)  # the latest values count
+    stats = [th.empty(len(STATS)), th.empty(len(STATS))]
+    for update, row in zip((host, device), stats, strict=True):
+        update.forward(Minibatch(obs, head.training_actions(actions), *args), cfg, row)
+        update.backward()
+    assert th.equal(stats[0], stats[1]) and th.equal(host.flat.grad, device.flat.grad)
+    before = host.flat.data.clone()
+    host.optimizer_step(0.5)
+    device.optimizer_step(0.5)
+    step = (host.flat.data - before).abs()
+    assert step.max() > 5e-4  # Adam's first step moves by about lr
+    assert (host.flat.data - device.flat.data).abs().max() < 1e-4 * step.max()
+    device.set_device_scalars(PPOLossConfig(0.3, 0.4, 0.01, 0.5, 0.5), 5e-3)
+    device.use_host_scalars()
+    for update, row in zip((host, device), stats, strict=True):
+        update.forward(Minibatch(obs, head.training_actions(actions), *args), cfg, row)
+    th.testing.assert_close(stats[0], stats[1], rtol=1e-6, atol=1e-7)
+
+
+def test_cuda_graphs_only_on_a_cuda_device():
+    model = PPO("MlpPolicy", box_env("discrete"), seed=0, **SMALL)
+    model.learn(2 * SMALL["n_steps"] * 4)
+    speed = model._speedups
+    assert model.cuda_graphs and speed.graphs is None and speed.updater._scalars is None
+    assert model._graphed_epochs(speed, speed.sampler, PPOLossConfig(0.2, None, 0.0, 0.5, 0.5)) is None
+
+
 @pytest.mark.parametrize("net_arch,activation", [(dict(pi=[32], vf=[16, 16]), th.nn.ReLU), ([], th.nn.Tanh)])
 def test_hand_derived_gradients_other_architectures(net_arch, activation):
     obs_space, action_space = spaces.Box(-1, 1, (5,)), ACTION_SPACES["discrete"]

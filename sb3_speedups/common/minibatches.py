@@ -52,9 +52,9 @@ def normalize_chunks_(x: th.Tensor, chunk: int) -> None:
 
 
 @th.inference_mode(False)
-def _empty(shape: list[int], like: th.Tensor) -> th.Tensor:
+def _empty(shape: list[int], like: th.Tensor, device: th.device | None = None) -> th.Tensor:
     """A normal tensor even under inference mode (PPO's hand-derived update runs there), usable in any mode."""
-    return th.empty(shape, dtype=like.dtype, device=like.device)
+    return th.empty(shape, dtype=like.dtype, device=like.device if device is None else device)
 
 
 class MinibatchSampler:
@@ -90,22 +90,38 @@ class MinibatchSampler:
         self._prepared = False
         self._single_batch: Minibatch | None = None
         self._epoch: dict[str, th.Tensor] = {}
+        self._rollout: dict[str, th.Tensor] = {}
+        self.index = _empty([self.n], th.empty(0, dtype=th.int64), device)
 
     def load(self, observations: Observations, actions: dict[str, th.Tensor], scalars: th.Tensor) -> None:
         """
-        Take a rollout (time-major, first dimension ``n_steps * n_envs``); tensors are moved to the device once.
+        Take a rollout (time-major, first dimension ``n_steps * n_envs``). Tensors from another device are copied
+        into buffers kept from one rollout to the next (a recorded CUDA graph reads them at fixed addresses).
 
         :param observations: observations (tensor or dict of tensors)
         :param actions: the per-sample action tensors the update needs
         :param scalars: ``[4, n]``: old values, old log-probabilities, advantages, returns
         """
-        to = self.device
-        self.observations = (
-            {k: v.to(to) for k, v in observations.items()} if isinstance(observations, dict) else observations.to(to)
-        )
-        self.actions = {k: v.to(to) for k, v in actions.items()}
-        self.scalars = scalars.to(to)
+        if isinstance(observations, dict):
+            self.observations: Observations = {k: self._keep(f"obs.{k}", v) for k, v in observations.items()}
+        else:
+            self.observations = self._keep("obs", observations)
+        self.actions = {k: self._keep(f"actions.{k}", v) for k, v in actions.items()}
+        self.scalars = self._keep("scalars", scalars)
         self._prepared = False
+
+    def _keep(self, name: str, source: th.Tensor) -> th.Tensor:
+        if source.device == self.device:
+            self._rollout[name] = source  # already there: no copy
+            return source
+        kept = self._rollout.get(name)
+        if kept is None or kept.shape != source.shape or kept.dtype != source.dtype:
+            kept = self._rollout[name] = _empty(list(source.shape), source, self.device)
+        return kept.copy_(source)
+
+    def buffer_addresses(self) -> tuple[int, ...]:
+        """:return: where the kept rollout and epoch buffers live (a recorded graph is valid while these hold)"""
+        return tuple(t.data_ptr() for t in (*self._rollout.values(), *self._epoch.values(), self.index))
 
     def set_targets(self, advantages: th.Tensor, returns: th.Tensor) -> None:
         """Replace the advantages and returns (after recomputing them), time-major ``[n]``."""
@@ -123,13 +139,25 @@ class MinibatchSampler:
 
     def shuffle(self) -> None:
         """Draw the epoch's permutation (numpy's global RNG, as SB3) and gather the data in that order."""
+        if self.draw():
+            self.gather()
+
+    def draw(self) -> bool:
+        """
+        Draw the epoch's permutation and copy it to the device (the host part of :meth:`shuffle`).
+
+        :return: whether the data must be gathered again (not for a single minibatch already gathered)
+        """
         permutation = np.random.permutation(self.n)
         if self.single and self._prepared:
-            return
+            return False
+        self.index.copy_(th.from_numpy(env_major_to_time_major(permutation, self.n_steps, self.n_envs)))
+        return True
+
+    def gather(self) -> None:
+        """Gather the rollout in the drawn order and normalise the advantages (device work only: no host sync)."""
         self._prepared = True
         self._single_batch = None
-        order = env_major_to_time_major(permutation, self.n_steps, self.n_envs)
-        self.index = th.from_numpy(order).to(self.device)
         self.epoch_scalars = self._gather("scalars", self.scalars, 1, self.index)
         self.epoch_actions = {k: self._gather(f"actions.{k}", v, 0, self.index) for k, v in self.actions.items()}
         if self.per_epoch_obs:
@@ -140,6 +168,10 @@ class MinibatchSampler:
                 self.epoch_obs = self._gather("obs", obs, 0, self.index)
         if self.normalize is not None:
             normalize_chunks_(self.epoch_scalars[ADVANTAGES], self.n if self.normalize == "batch" else self.batch_size)
+
+    def n_minibatches(self) -> int:
+        """:return: minibatches per epoch"""
+        return -(-self.n // self.batch_size)
 
     def _observations(self, start: int, end: int) -> Observations:
         if self.per_epoch_obs:

@@ -156,18 +156,21 @@ class FlatAdam:
                 optimizer.state[p] = {"step": self.steps[i], "exp_avg": m, "exp_avg_sq": v}
         self._bound = [optimizer.state[p]["exp_avg"] for p in flat.params]
         self._steps_since_flush = 0
+        # only CPUs slow down on subnormal numbers (and a recorded CUDA graph must not depend on a host counter)
+        self._on_cpu = flat.data.device.type == "cpu"
 
     def is_bound(self) -> bool:
         """:return: whether the optimizer still holds our state views (``optimizer.load_state_dict`` replaces them)"""
         state = self.optimizer.state
         return all(state.get(p, {}).get("exp_avg") is view for p, view in zip(self.flat.params, self._bound, strict=True))
 
-    def step(self, grad_divisor: th.Tensor | None = None) -> None:
+    def step(self, grad_divisor: th.Tensor | None = None, lr: th.Tensor | None = None) -> None:
         """
         One Adam step of every parameter with the flat gradient, reading ``lr``/``betas``/``eps`` from the optimizer.
         (The flat buffers are plain tensors, so no ``no_grad`` context is needed.)
 
         :param grad_divisor: divide the gradient by this first, inside the fused kernel (gradient clipping)
+        :param lr: a 0-dim tensor on the parameters' device to read the learning rate from instead (CUDA graphs)
         """
         group = self.optimizer.param_groups[0]
         beta1, beta2 = group["betas"]
@@ -180,7 +183,7 @@ class FlatAdam:
             [],
             [self.steps[0]],
             amsgrad=False,
-            lr=float(group["lr"]),
+            lr=float(group["lr"]) if lr is None else lr,
             beta1=float(beta1),
             beta2=float(beta2),
             weight_decay=0.0,
@@ -189,7 +192,7 @@ class FlatAdam:
             grad_scale=grad_divisor,
         )
         self._steps_since_flush += 1
-        if self._steps_since_flush >= FLUSH_SUBNORMALS_EVERY and float(group["eps"]) >= FLUSH_MIN_EPS:
+        if self._steps_since_flush >= FLUSH_SUBNORMALS_EVERY and self._on_cpu and float(group["eps"]) >= FLUSH_MIN_EPS:
             self.flush_subnormal_moments()
 
     def flush_subnormal_moments(self) -> None:

@@ -65,6 +65,30 @@ class ManualPPOUpdate:
         self.flat = self.net.flat
         self.adam = FlatAdam(self.flat, policy.optimizer)
         self._ws: dict[int, dict[str, Any]] = {}
+        self._device_scalars: th.Tensor | None = None
+        self._scalars: th.Tensor | None = None  # the device scalars while they are in use
+
+    def set_device_scalars(self, cfg: PPOLossConfig, lr: float) -> None:
+        """
+        Read the clip ranges and the learning rate from a tensor on the training device from now on, and set them.
+
+        A recorded CUDA graph keeps the numbers it was recorded with; read from a tensor, values that schedules
+        change from one ``train()`` to the next reach every replay. (The learning rate then enters Adam as a float32
+        tensor instead of a double: a last-bit difference in the step.)
+
+        :param cfg: the loss's coefficients (``clip_range``, ``clip_range_vf`` are read)
+        :param lr: the learning rate
+        """
+        vf = 0.0 if cfg.clip_range_vf is None else cfg.clip_range_vf
+        values = th.tensor([1 - cfg.clip_range, 1 + cfg.clip_range, -vf, vf, lr], dtype=th.float32)
+        if self._device_scalars is None:  # allocated once: a recorded graph reads it at its address
+            with th.inference_mode(False):
+                self._device_scalars = th.empty(5, dtype=th.float32, device=self.flat.data.device)
+        self._scalars = self._device_scalars.copy_(values)
+
+    def use_host_scalars(self) -> None:
+        """Take the clip ranges and the learning rate from the arguments again (the op-by-op default)."""
+        self._scalars = None
 
     def is_bound(self) -> bool:
         """:return: whether the policy's parameters and optimizer state still live in our flat buffers"""
@@ -107,7 +131,11 @@ class ManualPPOUpdate:
         th.sub(ws["log_prob"], mb.old_log_prob, out=logratio)
         th.exp(logratio, out=ratio)
         th.mul(mb.advantages, ratio, out=s1)
-        th.clamp(ratio, 1 - cfg.clip_range, 1 + cfg.clip_range, out=clipped)
+        scalars = self._scalars
+        if scalars is None:
+            th.clamp(ratio, 1 - cfg.clip_range, 1 + cfg.clip_range, out=clipped)
+        else:
+            th.clamp(ratio, scalars[0], scalars[1], out=clipped)
         th.mul(mb.advantages, clipped, out=s2)
         th.minimum(s1, s2, out=row[NEG_PG])
         th.ne(clipped, ratio, out=row[CLIP_FRACTION])
@@ -116,7 +144,10 @@ class ManualPPOUpdate:
         else:
             dv, dv_clipped = ws["dv"], ws["dv_clipped"]
             th.sub(values, mb.old_values, out=dv)
-            th.clamp(dv, -cfg.clip_range_vf, cfg.clip_range_vf, out=dv_clipped)
+            if scalars is None:
+                th.clamp(dv, -cfg.clip_range_vf, cfg.clip_range_vf, out=dv_clipped)
+            else:
+                th.clamp(dv, scalars[2], scalars[3], out=dv_clipped)
             th.eq(dv, dv_clipped, out=ws["vmask"])  # the clamp passes gradient only inside the range
             th.add(mb.old_values, dv_clipped, out=err).sub_(mb.returns)
         th.mul(err, err, out=row[VALUE_LOSS])
@@ -140,7 +171,7 @@ class ManualPPOUpdate:
 
     def optimizer_step(self, max_grad_norm: float) -> None:
         """Clip the gradient's norm and take one Adam step (the clipping happens inside the fused kernel)."""
-        self.adam.step(self.flat.clip_divisor(max_grad_norm))
+        self.adam.step(self.flat.clip_divisor(max_grad_norm), lr=None if self._scalars is None else self._scalars[4])
 
     def predict_values(self, observations: Any) -> th.Tensor:
         """:return: values ``[n]`` with the current parameters (for recomputing advantages)"""

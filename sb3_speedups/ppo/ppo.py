@@ -31,6 +31,7 @@ from stable_baselines3.common.utils import FloatSchedule, explained_variance, ob
 from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_speedups.common.buffers import PreallocatedRollout, fast_buffer_class
+from sb3_speedups.common.cuda_graphs import GraphedEpochs, graph_key
 from sb3_speedups.common.fast_mlp import mlp_unsupported_reason
 from sb3_speedups.common.heads import make_head
 from sb3_speedups.common.inference import LeanActorCritic, ModuleActorCritic
@@ -66,6 +67,7 @@ class _Speedups:
     actor: LeanActorCritic | ModuleActorCritic
     fallback_reason: str | None
     sampler: MinibatchSampler | None = None
+    graphs: GraphedEpochs | None = None
 
 
 class PPO(stable_baselines3.PPO):
@@ -85,6 +87,8 @@ class PPO(stable_baselines3.PPO):
         ``device``: training on the GPU, acting on the CPU); ``"auto"`` acts on the training device
     :param fast_update: use the hand-derived update for MLP policies (``False`` forces the autograd update)
     :param compile_loss: ``torch.compile`` the autograd update's loss (it only pays on long runs)
+    :param cuda_graphs: on a CUDA ``device``, record an epoch of the hand-derived update as a CUDA graph and replay
+        it for the later epochs (not with ``target_kl``, which needs the host after every minibatch)
     :param double_buffer: collect with the envs in two halves that step in turn, the policy acting for one half while
         the other steps (:func:`~sb3_speedups.common.on_policy.collect_rollout_double_buffered`); needs a
         :class:`~sb3_speedups.BatchedSubprocVecEnv` training env with at least two groups of envs
@@ -103,6 +107,7 @@ class PPO(stable_baselines3.PPO):
         inference_device: str = "cpu",
         fast_update: bool = True,
         compile_loss: bool = False,
+        cuda_graphs: bool = True,
         double_buffer: bool = False,
         _init_setup_model: bool = True,
         **kwargs: Any,
@@ -125,6 +130,7 @@ class PPO(stable_baselines3.PPO):
         self.inference_device = inference_device
         self.fast_update = fast_update
         self.compile_loss = compile_loss
+        self.cuda_graphs = cuda_graphs
         self.double_buffer = double_buffer
         self._speedups: _Speedups | None = None
         if _init_setup_model:
@@ -275,6 +281,11 @@ class PPO(stable_baselines3.PPO):
         self, speed: _Speedups, sampler: MinibatchSampler, cfg: PPOLossConfig, stats: th.Tensor
     ) -> tuple[int, int]:
         """:return: the minibatch updates done and the index of the last epoch's first one"""
+        graphs = self._graphed_epochs(speed, sampler, cfg)
+        if graphs is not None:
+            return self._run_graphed_epochs(speed, sampler, graphs, cfg, stats)
+        if isinstance(speed.updater, ManualPPOUpdate):
+            speed.updater.use_host_scalars()
         rows, last_epoch_start, continue_training = 0, 0, True
         for epoch in range(self.n_epochs):
             if self.recompute_advantages and epoch > 0:
@@ -296,6 +307,34 @@ class PPO(stable_baselines3.PPO):
             self._n_updates += 1
             if not continue_training:
                 break
+        return rows, last_epoch_start
+
+    def _graphed_epochs(self, speed: _Speedups, sampler: MinibatchSampler, cfg: PPOLossConfig) -> GraphedEpochs | None:
+        """:return: the recorded epochs to replay, or ``None`` to run op by op (CPU, autograd update, ``target_kl``)"""
+        updater = speed.updater
+        if not (self.cuda_graphs and self.device.type == "cuda" and isinstance(updater, ManualPPOUpdate)):
+            return None
+        if self.target_kl is not None or not sampler.per_epoch_obs:
+            return None
+        graphs = speed.graphs
+        if graphs is not None and graphs.failed is not None:
+            return None
+        updater.set_device_scalars(cfg, float(self.policy.optimizer.param_groups[0]["lr"]))
+        if graphs is None or graphs.key != graph_key(updater, sampler, cfg):
+            graphs = speed.graphs = GraphedEpochs(updater, sampler, cfg)
+        return graphs
+
+    def _run_graphed_epochs(
+        self, speed: _Speedups, sampler: MinibatchSampler, graphs: GraphedEpochs, cfg: PPOLossConfig, stats: th.Tensor
+    ) -> tuple[int, int]:
+        rows = last_epoch_start = 0
+        for epoch in range(self.n_epochs):
+            if self.recompute_advantages and epoch > 0:
+                self._recompute_advantages(speed, sampler)
+            epoch_stats = graphs.run_epoch(cfg)
+            last_epoch_start, rows = rows, rows + epoch_stats.shape[0]
+            stats[last_epoch_start:rows].copy_(epoch_stats)
+            self._n_updates += 1
         return rows, last_epoch_start
 
     def _log_train(self, stats: np.ndarray, last_epoch_start: int, cfg: PPOLossConfig) -> None:
