@@ -82,6 +82,7 @@ class GraphedEpochs:
         with th.cuda.stream(side):
             self._epoch(cfg, must_gather)
         current.wait_stream(side)
+        self.key = graph_key(self.updater, sampler, cfg)  # with the epoch buffers the first gather made
         if self.failed is None:
             self._record(cfg)
         return self.stats
