@@ -226,6 +226,22 @@ def test_ctrl_c_fails_running_trials_and_the_same_command_resumes(tmp_path: Path
 
 
 @pytest.mark.slow
+def test_a_killed_worker_process_makes_the_run_fail_with_one_line(tmp_path: Path) -> None:
+    space = write_space(tmp_path / "space.yml", {"learning_rate": [1e-3, 3e-4]})
+    args = [*FAST, *SLOW, "--n-trials", "2", "--n-jobs", "2", "--search-space", space, "-f", str(tmp_path), "--no-plots"]
+    proc = _spawn_tune(args, tmp_path)
+    _wait_for_running(tmp_path, 2, proc)
+    running = [t for t in load(tmp_path, "ppo_CartPole-v1").trials if t.state.name == "RUNNING"]
+    pid = int(running[0].user_attrs["worker"].split(":")[1])
+    os.kill(pid, signal.SIGKILL)  # what the kernel's OOM killer does
+    out = proc.communicate(timeout=300)[0].decode()
+    assert proc.returncode == 1, out
+    assert "was killed by SIGKILL" in out and "run the same command" in out, out
+    assert "Traceback" not in out, out
+    assert sorted(states(load(tmp_path, "ppo_CartPole-v1"))) in (["COMPLETE", "RUNNING"], ["PRUNED", "RUNNING"])
+
+
+@pytest.mark.slow
 def test_sigterm_fails_the_running_trial_of_a_single_process_run(tmp_path: Path) -> None:
     space = write_space(tmp_path / "space.yml", {"learning_rate": [1e-3]})
     proc = _spawn_tune([*FAST, *SLOW, "--n-trials", "3", "--search-space", space, "-f", str(tmp_path)], tmp_path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from sb3_speedups.tune import PRUNERS, SAMPLERS
 
@@ -46,7 +47,10 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    """``tune``: run or resume a study; exit code 130 when interrupted, 1 when no trial completed."""
+    """
+    ``tune``: run or resume a study; exit code 130 when interrupted, 1 when a worker process died or no trial
+    completed.
+    """
     import signal
 
     from sb3_speedups.tune.tuner import TuneConfig, tune
@@ -68,6 +72,13 @@ def run_tune(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
     if result.interrupted:
         return 130
+    if result.failed_workers:
+        print(
+            f"sb3-speedups tune: error: {'; '.join(result.failed_workers)}; the study is kept: run the same command "
+            "to continue it",
+            file=sys.stderr,
+        )
+        return 1
     return 0 if result.best_value is not None else 1
 
 

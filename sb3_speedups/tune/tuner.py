@@ -11,7 +11,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ class TuneResult:
     :param best_value: best objective so far, ``None`` when no trial completed
     :param best_hyperparams: path of the best-hyperparameters YAML, ``None`` when no trial completed
     :param interrupted: stopped by Ctrl-C / SIGTERM
+    :param failed_workers: what ended each worker process that did not finish normally (killed, crashed)
     """
 
     folder: Path
@@ -61,6 +62,7 @@ class TuneResult:
     best_value: float | None
     best_hyperparams: Path | None
     interrupted: bool = False
+    failed_workers: list[str] = field(default_factory=list)
 
 
 def _check_positive(config: TuneConfig) -> None:
@@ -207,7 +209,7 @@ def tune(config: TuneConfig) -> TuneResult:
     remaining = config.n_trials - sum(counts_toward_target(t) for t in study.get_trials(deepcopy=False))
     if config.verbose > 0:
         _print_header(plan, study, max(remaining, 0))
-    interrupted = False
+    interrupted, failed_workers = False, []
     try:
         if remaining > 0 and config.n_jobs == 1:
             _run_in_process(plan, TrialSlots(remaining))
@@ -217,9 +219,7 @@ def tune(config: TuneConfig) -> TuneResult:
             if INTERRUPTED_EXIT_CODE in codes:
                 # Ctrl-C reached the workers, and they ended, before this process ran its own signal handler.
                 raise KeyboardInterrupt
-            for worker, code in enumerate(codes):
-                if code != 0:
-                    print(f"Worker {worker} ended with exit code {code}; its error is printed above", file=sys.stderr)
+            failed_workers = [_describe_exit(worker, code) for worker, code in enumerate(codes) if code != 0]
     except KeyboardInterrupt:
         interrupted = True
         print("Interrupted: running trials are marked failed; run the same command again to continue", file=sys.stderr)
@@ -230,5 +230,14 @@ def tune(config: TuneConfig) -> TuneResult:
     best = reports.best_trial(study)
     return TuneResult(
         plan.folder, plan.study_name, plan.storage, None if best is None else best.value,
-        written.get("best_hyperparams"), interrupted,
+        written.get("best_hyperparams"), interrupted, failed_workers,
     )  # fmt: skip
+
+
+def _describe_exit(worker: int, code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"worker {worker} was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"worker {worker} ended with exit code {code} (its error is printed above)"
