@@ -41,11 +41,10 @@ class GraphedEpochs:
 
     :param updater: the update (its policy on a CUDA device)
     :param sampler: the rollout sampler on the same device
-    :param cfg: the loss's coefficients of the first ``train()``
     """
 
-    def __init__(self, updater: ManualPPOUpdate, sampler: MinibatchSampler, cfg: PPOLossConfig) -> None:
-        self.key = graph_key(updater, sampler, cfg)
+    def __init__(self, updater: ManualPPOUpdate, sampler: MinibatchSampler) -> None:
+        self.key: tuple | None = None  # graph_key() once the first epoch has made the epoch buffers
         self.updater, self.sampler = updater, sampler
         self.device = sampler.device
         with th.inference_mode(False):

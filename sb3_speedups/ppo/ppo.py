@@ -321,7 +321,7 @@ class PPO(stable_baselines3.PPO):
             return None
         updater.set_device_scalars(cfg, float(self.policy.optimizer.param_groups[0]["lr"]))
         if graphs is None or graphs.key != graph_key(updater, sampler, cfg):
-            graphs = speed.graphs = GraphedEpochs(updater, sampler, cfg)
+            graphs = speed.graphs = GraphedEpochs(updater, sampler)
         return graphs
 
     def _run_graphed_epochs(

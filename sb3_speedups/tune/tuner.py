@@ -234,8 +234,8 @@ def tune(config: TuneConfig) -> TuneResult:
     )  # fmt: skip
 
 
-def _describe_exit(worker: int, code: int | None) -> str:
-    if code is not None and code < 0:
+def _describe_exit(worker: int, code: int) -> str:
+    if code < 0:
         try:
             return f"worker {worker} was killed by {signal.Signals(-code).name}"
         except ValueError:
