@@ -18,7 +18,8 @@ from stable_baselines3.common.vec_env import VecNormalize
 
 from sb3_speedups import PPO
 from sb3_speedups.common.heads import make_head
-from sb3_speedups.common.minibatches import Minibatch
+from sb3_speedups.common.buffers import env_major_to_time_major
+from sb3_speedups.common.minibatches import Minibatch, MinibatchSampler
 from sb3_speedups.common.ppo_update import STATS, AutogradPPOUpdate, ManualPPOUpdate, PPOLossConfig
 from sb3_speedups.errors import UserError
 from sb3_speedups.registry import get_algo
@@ -393,3 +394,21 @@ def test_hand_derived_update_runs_under_inference_mode_and_outside_it():
     assert not any(p.is_inference() for p in model.policy.parameters())
     assert any(not th.equal(p, q) for p, q in zip(model.policy.parameters(), before, strict=True))
     model.learn(64)  # and back under inference mode
+
+
+@pytest.mark.parametrize("batch_size", [6, 12])
+def test_sampler_draws_the_permutations_sb3_draws(batch_size):
+    # SB3 draws np.random.permutation(n) once per epoch; ours must consume numpy's global RNG the same way (also
+    # with a single minibatch, whose order it does not use).
+    sampler = MinibatchSampler(4, 3, batch_size, th.device("cpu"), None)
+    np.random.seed(3)
+    ours = []
+    for _ in range(3):
+        sampler.draw()
+        ours.append(sampler.index.clone())
+    after = np.random.rand()
+    np.random.seed(3)
+    stock = [th.from_numpy(env_major_to_time_major(np.random.permutation(12), 4, 3)) for _ in range(3)]
+    assert np.random.rand() == after
+    for index, expected in zip(ours, stock, strict=True):
+        assert th.equal(index, expected)

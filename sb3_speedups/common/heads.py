@@ -127,6 +127,7 @@ class CategoricalHead(ActionHead):
         super().__init__(sum(nvec))
         self.nvec = nvec
         self.discrete = len(nvec) == 1
+        self._race: tuple[th.Tensor, np.ndarray, np.ndarray] | None = None  # sample_numpy's kept buffers
         # Equal blocks are handled as one [n, k, m] tensor; unequal ones block by block.
         self.uniform = len(set(nvec)) == 1
         self.bounds = [(sum(nvec[:j]), sum(nvec[: j + 1])) for j in range(len(nvec))]
@@ -159,10 +160,22 @@ class CategoricalHead(ActionHead):
         shifted = out - out.max(axis=1, keepdims=True)
         exp = np.exp(shifted)
         total = exp.sum(axis=1, keepdims=True)
-        logits = shifted - np.log(total)
-        q = th.empty(out.shape, dtype=th.float32).exponential_().numpy()
-        actions = np.argmax(np.divide(exp, total, out=exp) / q, axis=1)
-        return actions, th.from_numpy(logits[np.arange(len(actions)), actions])
+        q_tensor, q, rows = self._race_buffers(out.shape)
+        q_tensor.exponential_()
+        np.divide(exp, total, out=exp)
+        actions = np.argmax(np.divide(exp, q, out=exp), axis=1)
+        # the chosen entries of shifted - log(total): the same float operations as on the whole array
+        log_prob = shifted[rows, actions] - np.log(total[:, 0])
+        return actions, th.from_numpy(log_prob)
+
+    def _race_buffers(self, shape: tuple[int, ...]) -> tuple[th.Tensor, np.ndarray, np.ndarray]:
+        """:return: a kept float32 tensor of ``shape`` for the exponential draws, its numpy view, and the row indices"""
+        buffers = self._race
+        if buffers is None or buffers[1].shape != shape:
+            with th.inference_mode(False):
+                q = th.empty(shape, dtype=th.float32)
+            buffers = self._race = (q, q.numpy(), np.arange(shape[0]))
+        return buffers
 
     def log_prob_entropy(self, out: th.Tensor, actions: th.Tensor, log_std: th.Tensor | None) -> tuple[th.Tensor, th.Tensor]:
         index = actions.long().view(out.shape[0], len(self.nvec))
