@@ -250,6 +250,8 @@ class LeanActorCritic:
 
     def predict_values(self, obs: np.ndarray) -> th.Tensor:
         """:return: values ``[n]`` of a batch of observations"""
+        if self._numpy is not None and isinstance(obs, np.ndarray) and self._numpy.accepts(obs.shape[0]):
+            return th.from_numpy(self._numpy.forward(obs)[1]).view(-1)
         return self.value_net(self._latents(self._features(obs))[1]).view(-1)
 
     def reset_noise(self, n_envs: int) -> None:

@@ -48,6 +48,8 @@ def bootstrap_timeouts(
 
     :return: ``(env indices, their terminal observations, the added bootstrap)``, or ``None`` when there were none
     """
+    if not dones.any():
+        return None
     envs = [
         i
         for i in np.flatnonzero(dones)
