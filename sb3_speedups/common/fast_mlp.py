@@ -134,6 +134,20 @@ def flat_layout(policy: ActorCriticPolicy) -> list[th.Tensor]:
     return layout + [p for p in policy.parameters() if all(p is not q for q in layout)]
 
 
+def critic_parameters(policy: ActorCriticPolicy) -> list[th.Tensor]:
+    """:return: the value network's parameters (``mlp_extractor.value_net`` and ``value_net``), input to output"""
+    return [*policy.mlp_extractor.value_net.parameters(), *policy.value_net.parameters()]
+
+
+def split_layout(policy: ActorCriticPolicy) -> list[th.Tensor]:
+    """
+    :return: the policy's parameters with every actor parameter (policy layers, action net, ``log_std``) before every
+        critic parameter (:func:`critic_parameters`), so that each part is one contiguous range of the flat buffer
+    """
+    critic = critic_parameters(policy)
+    return [p for p in policy.parameters() if all(p is not q for q in critic)] + critic
+
+
 class MlpChain:
     """``G`` equally shaped MLPs (the pi/vf pair when stacked, else one) as ``[G, out, in]`` weight views."""
 
@@ -204,21 +218,26 @@ class ActorCriticMlp:
     one flat parameter buffer. Building it moves the policy's parameters into :attr:`flat`.
 
     :param policy: the policy; its parameters stay its own ``nn.Parameter`` objects
+    :param split: run the actor and the critic as two separate parts (:meth:`forward_part`, :meth:`backward_part`)
+        that two processes can compute side by side: nothing stacked, and the flat buffers (in shared memory) laid
+        out as :func:`split_layout`, the critic from :attr:`critic_start` on
     """
 
-    def __init__(self, policy: ActorCriticPolicy) -> None:
+    def __init__(self, policy: ActorCriticPolicy, split: bool = False) -> None:
         reason = mlp_unsupported_reason(policy)
         if reason is not None:
             raise ValueError(reason)
         pi, pi_kind = linear_layers(policy.mlp_extractor.policy_net)  # type: ignore[misc]
         vf, vf_kind = linear_layers(policy.mlp_extractor.value_net)  # type: ignore[misc]
-        self.stacked = stackable(pi, vf)
-        layout = flat_layout(policy)
+        self.stacked = stackable(pi, vf) and not split
+        layout = split_layout(policy) if split else flat_layout(policy)
         action_net, value_net = policy.action_net, policy.value_net
         assert isinstance(action_net, nn.Linear) and isinstance(value_net, nn.Linear)
         heads = [action_net.weight, action_net.bias, value_net.weight, value_net.bias]
         params = list(policy.parameters())
-        self.flat = FlatParameters(params, layout)
+        critic = critic_parameters(policy)
+        self.flat = FlatParameters(params, layout, shared=split, aligned=critic[0] if split else None)
+        self.critic_start = self.flat.offset(critic[0]) if split else self.flat.data.numel()
         kind = pi_kind or vf_kind
         self.chains = (
             [MlpChain(self.flat, [pi, vf], kind)]
@@ -243,6 +262,57 @@ class ActorCriticMlp:
             if self.flat.data.device.type == "cpu"
             else None
         )
+        self._parts: dict[tuple[int, int], tuple[Any, ...]] = {}  # per (part, n): its chain output, latent, arrays
+
+    def forward_part(self, x: th.Tensor, part: int) -> th.Tensor:
+        """
+        The forward of one part of a ``split`` network (the same operations as :meth:`forward` runs for it).
+
+        :param x: flat float observations ``[n, obs_dim]``
+        :param part: 0 for the actor, 1 for the critic
+        :return: the action net's output ``[n, n_actions_out]`` (actor) or the values ``[n]`` (critic), reused buffers
+        """
+        n = x.shape[0]
+        out, values, _, values_flat = self._out.get(n) or self._allocate_out(n, x.device)
+        src = self.chains[part].forward(x)
+        cached = self._parts.get((part, n))
+        if cached is None or cached[0] is not src:
+            latent = src[0]
+            dst = out if part == 0 else values
+            arrays = None
+            if self._numpy_heads is not None and latent.is_contiguous():
+                arrays = (latent.numpy(), dst.numpy())
+            cached = self._parts[(part, n)] = (src, latent, arrays)
+        latent, arrays = cached[1], cached[2]
+        if part == 0:
+            self.latent_pi = latent
+        else:
+            self.latent_vf = latent
+        if arrays is not None and self._numpy_heads is not None:
+            weight_t, bias = self._numpy_heads[2 * part], self._numpy_heads[2 * part + 1]
+            np.add(np.matmul(arrays[0], weight_t, out=arrays[1]), bias, out=arrays[1])
+        elif part == 0:
+            th.addmm(self.action_bias, latent, self.action_weight_t, out=out)
+        else:
+            th.addmm(self.value_bias, latent, self.value_weight_t, out=values)
+        return out if part == 0 else values_flat
+
+    def backward_part(self, d: th.Tensor, part: int) -> None:
+        """
+        Write the gradients of one part of a ``split`` network (all but ``log_std``) into :attr:`flat` ``.grad``.
+
+        :param d: gradient of the action net's output ``[n, n_out]`` (actor) or of the values ``[n, 1]`` (critic)
+        :param part: 0 for the actor, 1 for the critic
+        """
+        g_w, g_b = self.grad_heads[2 * part], self.grad_heads[2 * part + 1]
+        latent = self.latent_pi if part == 0 else self.latent_vf
+        th.mm(d.t(), latent, out=g_w)
+        th.sum(d, 0, out=g_b)
+        chain = self.chains[part]
+        if chain.weights:
+            d_last = chain.ws[d.shape[0]][2 * len(chain.weights) - 1]
+            th.mm(d, self.action_weight if part == 0 else self.value_weight, out=d_last[0])
+            chain.backward(d_last)
 
     def _latents(self, x: th.Tensor, out: th.Tensor, values: th.Tensor) -> tuple[Any, ...]:
         """:return: ``(pi source, vf source, latent_pi, latent_vf, numpy views or None)``, cached per chain output"""

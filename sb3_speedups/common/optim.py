@@ -12,8 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import mmap
+
 import torch as th
 
+#: element count that :class:`FlatParameters` aligns a parameter to (a multiple of any SIMD width in floats)
+ALIGNMENT = 64
 #: Adam steps between two flushes of subnormal moments (:meth:`FlatAdam.flush_subnormal_moments`)
 FLUSH_SUBNORMALS_EVERY = 16
 #: the flush only runs with an Adam ``eps`` at least this large (torch's default 1e-8, SB3's PPO 1e-5), where a
@@ -23,6 +27,15 @@ FLUSH_MIN_EPS = 1e-10
 _EXPONENT_BITS = 0x7F800000
 
 
+def shared_zeros(numel: int, dtype: th.dtype = th.float32) -> th.Tensor:
+    """
+    :return: a zeroed CPU tensor in anonymous shared memory: a process forked later reads and writes the same memory
+        (``share_memory_()`` would move an existing storage and leave views made before it behind)
+    """
+    nbytes = max(numel * th.empty((), dtype=dtype).element_size(), 1)
+    return th.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=numel)
+
+
 class FlatParameters:
     """
     Make ``params`` views into one flat data buffer, with one flat gradient buffer beside it.
@@ -30,9 +43,19 @@ class FlatParameters:
     :param params: the parameters, in the module's (and optimizer's) order
     :param layout: the same parameters in the order to lay them out in the buffer (default: ``params``); laying
         out equally shaped tensors side by side lets callers use them as one stacked tensor (:meth:`stacked`)
+    :param shared: allocate the buffers in shared memory (CPU only), for a process forked later to work on them
+    :param aligned: a parameter of ``layout`` to start at a multiple of :data:`ALIGNMENT` elements (zeros pad the gap
+        before it), so that an element-wise kernel run on the ranges before and from it computes every element as a
+        run over the whole buffer does (vectorised kernels compute a range's unaligned tail another way)
     """
 
-    def __init__(self, params: Sequence[th.Tensor], layout: Sequence[th.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        params: Sequence[th.Tensor],
+        layout: Sequence[th.Tensor] | None = None,
+        shared: bool = False,
+        aligned: th.Tensor | None = None,
+    ) -> None:
         self.params = list(params)
         layout = self.params if layout is None else list(layout)
         if {id(p) for p in layout} != {id(p) for p in self.params} or len(layout) != len(self.params):
@@ -40,19 +63,30 @@ class FlatParameters:
         first = self.params[0]
         if any(p.dtype != first.dtype or p.device != first.device for p in self.params):
             raise ValueError("all parameters must share one dtype and device")
-        total = sum(p.numel() for p in layout)
-        self.data = th.empty(total, dtype=first.dtype, device=first.device)
-        self.grad = th.zeros(total, dtype=first.dtype, device=first.device)
-        self._offsets: dict[int, int] = {}
+        starts, total = {}, 0
+        for p in layout:
+            if p is aligned:
+                total = -(-total // ALIGNMENT) * ALIGNMENT
+            starts[id(p)] = total
+            total += p.numel()
+        if shared and first.device.type != "cpu":
+            raise ValueError("shared flat buffers live in CPU memory")
+        self.shared = shared
+        if shared:
+            self.data, self.grad = shared_zeros(total, first.dtype), shared_zeros(total, first.dtype)
+        else:
+            self.data = th.empty(total, dtype=first.dtype, device=first.device)
+            self.grad = th.zeros(total, dtype=first.dtype, device=first.device)
+        self._offsets: dict[int, int] = starts
         self._divisor: th.Tensor | None = None  # clip_divisor's on the CPU
-        offset = 0
+        if not shared:
+            self.data.zero_()  # the gap before an aligned parameter
         with th.no_grad():
             for p in layout:
-                self._offsets[id(p)] = offset
+                offset = starts[id(p)]
                 view = self.data[offset : offset + p.numel()].view_as(p)
                 view.copy_(p.data)
                 p.data = view
-                offset += p.numel()
 
     def offset(self, param: th.Tensor) -> int:
         """:return: where ``param`` starts in the flat buffers"""
@@ -106,6 +140,10 @@ class FlatParameters:
         divisor = (float(norm) + 1e-6) / max_norm
         if divisor <= 1.0:
             return None
+        return self.divisor_tensor(divisor)
+
+    def divisor_tensor(self, divisor: float) -> th.Tensor:
+        """:return: ``divisor`` in a 0-dim CPU tensor of the gradient's dtype, kept from call to call"""
         if self._divisor is None:
             with th.inference_mode(False):
                 self._divisor = th.empty((), dtype=self.grad.dtype)
@@ -151,8 +189,11 @@ class FlatAdam:
         if reason is not None:
             raise ValueError(reason)
         self.flat, self.optimizer = flat, optimizer
-        self.exp_avg = th.zeros_like(flat.data)
-        self.exp_avg_sq = th.zeros_like(flat.data)
+        if flat.shared:
+            self.exp_avg, self.exp_avg_sq = (shared_zeros(flat.data.numel(), flat.data.dtype) for _ in range(2))
+        else:
+            self.exp_avg = th.zeros_like(flat.data)
+            self.exp_avg_sq = th.zeros_like(flat.data)
         # Fused kernels want float32 step counters on the parameters' device.
         self.steps = th.zeros(len(flat.params), dtype=th.float32, device=flat.data.device)
         with th.no_grad():
@@ -169,6 +210,7 @@ class FlatAdam:
         self._bound = [optimizer.state[p]["exp_avg"] for p in flat.params]
         self._first_step = self.steps[0]  # the fused kernel reads one counter (all are equal); a view made once
         self._steps_since_flush = 0
+        self._ranges: dict[tuple[int, int] | None, list[th.Tensor]] = {}
         # only CPUs slow down on subnormal numbers (and a recorded CUDA graph must not depend on a host counter)
         self._on_cpu = flat.data.device.type == "cpu"
 
@@ -176,6 +218,12 @@ class FlatAdam:
         """:return: whether the optimizer still holds our state views (``optimizer.load_state_dict`` replaces them)"""
         state = self.optimizer.state
         return all(state.get(p, {}).get("exp_avg") is view for p, view in zip(self.flat.params, self._bound, strict=True))
+
+    def hyperparameters(self) -> tuple[float, float, float, float]:
+        """:return: ``(lr, beta1, beta2, eps)`` as the optimizer holds them now"""
+        group = self.optimizer.param_groups[0]
+        beta1, beta2 = group["betas"]
+        return float(group["lr"]), float(beta1), float(beta2), float(group["eps"])
 
     def step(self, grad_divisor: th.Tensor | None = None, lr: th.Tensor | None = None) -> None:
         """
@@ -185,30 +233,57 @@ class FlatAdam:
         :param grad_divisor: divide the gradient by this first, inside the fused kernel (gradient clipping)
         :param lr: a 0-dim tensor on the parameters' device to read the learning rate from instead (CUDA graphs)
         """
-        group = self.optimizer.param_groups[0]
-        beta1, beta2 = group["betas"]
         self.steps.add_(1)
+        host_lr, beta1, beta2, eps = self.hyperparameters()
+        self._fused_step(None, grad_divisor, host_lr if lr is None else lr, beta1, beta2, eps)
+
+    def step_range(
+        self, part: slice, grad_divisor: th.Tensor | None, lr: float, beta1: float, beta2: float, eps: float, step: float
+    ) -> None:
+        """
+        The Adam step of :meth:`step` on one contiguous range of the flat buffers only (element-wise, so the same
+        numbers as the whole step gives there). Two processes that share the buffers each step their own range.
+
+        :param part: the range of the flat buffers
+        :param grad_divisor: as in :meth:`step`
+        :param lr: learning rate
+        :param beta1: Adam's beta1
+        :param beta2: Adam's beta2
+        :param eps: Adam's eps
+        :param step: the step count after this step (every parameter's counter is set to it)
+        """
+        self.steps.fill_(step)
+        self._fused_step(part, grad_divisor, lr, beta1, beta2, eps)
+
+    def _fused_step(
+        self, part: slice | None, grad_divisor: th.Tensor | None, lr: float | th.Tensor, beta1: float, beta2: float, eps: float
+    ) -> None:
+        key = None if part is None else (part.start, part.stop)
+        tensors = self._ranges.get(key)
+        if tensors is None:  # views made once per range
+            whole = [self.flat.data, self.flat.grad, self.exp_avg, self.exp_avg_sq]
+            tensors = self._ranges[key] = whole if part is None else [t[part] for t in whole]
         th._fused_adam_(
-            [self.flat.data],
-            [self.flat.grad],
-            [self.exp_avg],
-            [self.exp_avg_sq],
+            [tensors[0]],
+            [tensors[1]],
+            [tensors[2]],
+            [tensors[3]],
             [],
             [self._first_step],
             amsgrad=False,
-            lr=float(group["lr"]) if lr is None else lr,
-            beta1=float(beta1),
-            beta2=float(beta2),
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
             weight_decay=0.0,
-            eps=float(group["eps"]),
+            eps=eps,
             maximize=False,
             grad_scale=grad_divisor,
         )
         self._steps_since_flush += 1
-        if self._steps_since_flush >= FLUSH_SUBNORMALS_EVERY and self._on_cpu and float(group["eps"]) >= FLUSH_MIN_EPS:
-            self.flush_subnormal_moments()
+        if self._steps_since_flush >= FLUSH_SUBNORMALS_EVERY and self._on_cpu and eps >= FLUSH_MIN_EPS:
+            self.flush_subnormal_moments(part)
 
-    def flush_subnormal_moments(self) -> None:
+    def flush_subnormal_moments(self, part: slice | None = None) -> None:
         """
         Set the moments' subnormal entries (below 1.2e-38 in size) to zero.
 
@@ -219,8 +294,10 @@ class FlatAdam:
         ``lr * m_hat / (sqrt(v_hat) + eps)``; with ``eps >= 1e-10`` (:data:`FLUSH_MIN_EPS`) a subnormal ``m`` moves a
         parameter by less than 1e-27, and a subnormal ``v`` (square root below 1.1e-19) changes the denominator by
         less than float32's rounding.
+
+        :param part: flush only this range of the flat buffers (default: all)
         """
         self._steps_since_flush = 0
         for moment in (self.exp_avg, self.exp_avg_sq):
-            bits = moment.view(th.int32)
+            bits = moment.view(th.int32) if part is None else moment[part].view(th.int32)
             bits.masked_fill_(bits.bitwise_and(_EXPONENT_BITS).eq(0), 0)

@@ -49,6 +49,7 @@ from sb3_speedups.common.ppo_update import (
     PPOLossConfig,
     approx_kl,
 )
+from sb3_speedups.common.split_update import SplitPPOUpdate, deferred_sigint, split_unsupported_reason
 from sb3_speedups.common.torch_utils import apply_num_threads
 from sb3_speedups.errors import UserError
 
@@ -92,6 +93,10 @@ class PPO(stable_baselines3.PPO):
     :param double_buffer: collect with the envs in two halves that step in turn, the policy acting for one half while
         the other steps (:func:`~sb3_speedups.common.on_policy.collect_rollout_double_buffered`); needs a
         :class:`~sb3_speedups.BatchedSubprocVecEnv` training env with at least two groups of envs
+    :param split_update: compute the critic's half of every minibatch update in a forked helper process, beside the
+        actor's (:mod:`sb3_speedups.common.split_update`; the same numbers as one process). ``"auto"`` does so for
+        the hand-derived update on a CPU with at least 2 cores when torch runs on one thread; ``True`` whenever the
+        hand-derived update runs on the CPU under Linux; ``False`` never
     """
 
     def __init__(
@@ -109,11 +114,14 @@ class PPO(stable_baselines3.PPO):
         compile_loss: bool = False,
         cuda_graphs: bool = True,
         double_buffer: bool = False,
+        split_update: bool | str = "auto",
         _init_setup_model: bool = True,
         **kwargs: Any,
     ) -> None:
         if normalize_advantage not in _NORMALIZATION:
             raise UserError(f"normalize_advantage={normalize_advantage!r} is invalid: use True, False, 'minibatch' or 'batch'")
+        if split_update not in (True, False, "auto"):
+            raise UserError(f"split_update={split_update!r} is invalid: use True, False or 'auto'")
         self._gamma_schedule = FloatSchedule(gamma) if callable(gamma) else None
         self._gae_lambda_schedule = FloatSchedule(gae_lambda) if callable(gae_lambda) else None
         super().__init__(
@@ -132,11 +140,13 @@ class PPO(stable_baselines3.PPO):
         self.compile_loss = compile_loss
         self.cuda_graphs = cuda_graphs
         self.double_buffer = double_buffer
+        self.split_update = split_update
         self._speedups: _Speedups | None = None
         if _init_setup_model:
             self._setup_model()
 
     def _setup_model(self) -> None:
+        self._close_speedups()
         apply_num_threads(self.num_threads)
         super()._setup_model()
         fast_class = fast_buffer_class(self.rollout_buffer_class)  # type: ignore[arg-type]
@@ -180,11 +190,15 @@ class PPO(stable_baselines3.PPO):
         speed = self._speedups
         if speed is not None and speed.updater.policy is self.policy and speed.updater.is_bound():
             return speed
+        self._close_speedups()
         reason = self.fast_path_unsupported_reason()
         if reason is None:
             head = make_head(self.policy.action_dist, self.action_space)
             assert head is not None
-            updater: ManualPPOUpdate | AutogradPPOUpdate = ManualPPOUpdate(self.policy, head)
+            split = self.split_update_unsupported_reason() is None
+            updater: ManualPPOUpdate | AutogradPPOUpdate = (
+                SplitPPOUpdate(self.policy, head) if split else ManualPPOUpdate(self.policy, head)
+            )
             actor: LeanActorCritic | ModuleActorCritic = LeanActorCritic(self.policy, head, self._inference_device())
         else:
             updater = AutogradPPOUpdate(self.policy, compile_loss=self.compile_loss)
@@ -193,6 +207,20 @@ class PPO(stable_baselines3.PPO):
                 print(f"sb3_speedups PPO: using the autograd update ({reason})")
         self._speedups = _Speedups(updater, actor, reason)
         return self._speedups
+
+    def split_update_unsupported_reason(self) -> str | None:
+        """:return: why the minibatch update does not run split over two processes (``split_update``), or ``None``"""
+        if self.split_update is False:
+            return "split_update=False"
+        if self.recompute_advantages:
+            return "recompute_advantages=True (the values are recomputed between epochs)"
+        return split_unsupported_reason(self.policy, explicit=self.split_update is True)
+
+    def _close_speedups(self) -> None:
+        """Stop the split update's helper process, if one runs (the speed-only state is rebuilt when needed)."""
+        speed = getattr(self, "_speedups", None)
+        if speed is not None and isinstance(speed.updater, SplitPPOUpdate):
+            speed.updater.close()
 
     def _sampler(self, speed: _Speedups) -> MinibatchSampler:
         normalize = _NORMALIZATION[self.normalize_advantage]  # type: ignore[index]
@@ -286,6 +314,8 @@ class PPO(stable_baselines3.PPO):
             return self._run_graphed_epochs(speed, sampler, graphs, cfg, stats)
         if isinstance(speed.updater, ManualPPOUpdate):
             speed.updater.use_host_scalars()
+        if isinstance(speed.updater, SplitPPOUpdate):
+            return self._run_split_epochs(speed.updater, sampler, cfg, stats)
         rows, last_epoch_start, continue_training = 0, 0, True
         for epoch in range(self.n_epochs):
             if self.recompute_advantages and epoch > 0:
@@ -307,6 +337,45 @@ class PPO(stable_baselines3.PPO):
             self._n_updates += 1
             if not continue_training:
                 break
+        return rows, last_epoch_start
+
+    def _run_split_epochs(
+        self, updater: SplitPPOUpdate, sampler: MinibatchSampler, cfg: PPOLossConfig, stats: th.Tensor
+    ) -> tuple[int, int]:
+        """:meth:`_run_epochs` with the critic's half of each minibatch in the helper process."""
+        assert isinstance(sampler.observations, th.Tensor)
+        rows, last_epoch_start, continue_training = 0, 0, True
+        try:
+            with deferred_sigint() as interrupted:
+                updater.begin_train(sampler.observations, sampler.scalars, cfg, stats.shape[0])
+                for epoch in range(self.n_epochs):
+                    if sampler.draw():
+                        sampler.gather()
+                        updater.gathered(sampler.index)
+                    last_epoch_start = rows
+                    for k, minibatch in enumerate(sampler.minibatches()):
+                        start = k * self.batch_size
+                        updater.begin_minibatch(start, min(start + self.batch_size, sampler.n), rows)
+                        updater.forward(minibatch, cfg, stats[rows])
+                        rows += 1
+                        if self.target_kl is not None:
+                            kl = float(approx_kl(stats[rows - 1].double()))
+                            if kl > 1.5 * self.target_kl:
+                                continue_training = False
+                                if self.verbose >= 1:
+                                    print(f"Early stopping at step {epoch} due to reaching max kl: {kl:.2f}")
+                                break
+                        updater.backward()
+                        updater.optimizer_step(cfg.max_grad_norm)
+                        if interrupted:
+                            break
+                    self._n_updates += 1
+                    if not continue_training or interrupted:
+                        break
+                updater.end_train(stats, rows)
+        except BaseException:
+            updater.abandon()
+            raise
         return rows, last_epoch_start
 
     def _graphed_epochs(self, speed: _Speedups, sampler: MinibatchSampler, cfg: PPOLossConfig) -> GraphedEpochs | None:

@@ -14,7 +14,8 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.vec_env import VecEnv, sync_envs_normalization
 
-from sb3_speedups.common.torch_utils import apply_num_threads
+from sb3_speedups.common.split_update import allow_split_updates
+from sb3_speedups.common.torch_utils import apply_num_threads, available_cpus
 from sb3_speedups.zoo.envs import is_atari, make_env
 from sb3_speedups.zoo.train import TrainConfig, create_model, prepare_experiment
 
@@ -40,6 +41,8 @@ class TrialJob:
     :param stock: use the stock SB3 / sb3-contrib class
     :param num_threads: torch threads, ``-1`` for the package default
     :param verbose: verbosity of the model
+    :param concurrent_trainers: trainings that run at once on this machine (workers x seeds per trial); PPO's split
+        update (a helper process per training) only runs where each gets 2 CPUs
     """
 
     algo: str
@@ -55,6 +58,7 @@ class TrialJob:
     stock: bool = False
     num_threads: int = -1
     verbose: int = 0
+    concurrent_trainers: int = 1
 
 
 def eval_points(n_timesteps: int, n_evaluations: int, eval_freq: int = -1) -> list[int]:
@@ -142,6 +146,7 @@ def train_seed(job: TrialJob, seed: int, report: Report) -> SeedResult:
     )  # fmt: skip
     experiment = prepare_experiment(config)
     apply_num_threads(job.num_threads if job.num_threads > 0 else None)
+    allow_split_updates(2 * job.concurrent_trainers <= available_cpus())
     hp = experiment.hyperparams
     env = make_env(job.env_id, hp, hp.n_envs, seed, vec_env=job.vec_env)
     eval_env = make_env(job.env_id, hp, job.n_eval_envs, seed + 1000, eval_env=True)
