@@ -263,6 +263,7 @@ class ActorCriticMlp:
             else None
         )
         self._parts: dict[tuple[int, int], tuple[Any, ...]] = {}  # per (part, n): its chain output, latent, arrays
+        self._part_grads: dict[int, tuple[Any, ...]] = {}  # per part: (d, d.t(), d_last, d_last[0])
 
     def forward_part(self, x: th.Tensor, part: int) -> th.Tensor:
         """
@@ -306,13 +307,16 @@ class ActorCriticMlp:
         """
         g_w, g_b = self.grad_heads[2 * part], self.grad_heads[2 * part + 1]
         latent = self.latent_pi if part == 0 else self.latent_vf
-        th.mm(d.t(), latent, out=g_w)
-        th.sum(d, 0, out=g_b)
         chain = self.chains[part]
-        if chain.weights:
-            d_last = chain.ws[d.shape[0]][2 * len(chain.weights) - 1]
-            th.mm(d, self.action_weight if part == 0 else self.value_weight, out=d_last[0])
-            chain.backward(d_last)
+        views = self._part_grads.get(part)
+        if views is None or views[0] is not d:  # views made once per buffer (each costs a few us)
+            d_last = chain.ws[d.shape[0]][2 * len(chain.weights) - 1] if chain.weights else None
+            views = self._part_grads[part] = (d, d.t(), d_last, None if d_last is None else d_last[0])
+        th.mm(views[1], latent, out=g_w)
+        th.sum(d, 0, out=g_b)
+        if views[2] is not None:
+            th.mm(d, self.action_weight if part == 0 else self.value_weight, out=views[3])
+            chain.backward(views[2])
 
     def _latents(self, x: th.Tensor, out: th.Tensor, values: th.Tensor) -> tuple[Any, ...]:
         """:return: ``(pi source, vf source, latent_pi, latent_vf, numpy views or None)``, cached per chain output"""

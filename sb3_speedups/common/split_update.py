@@ -335,6 +335,7 @@ class SplitPPOUpdate(ManualPPOUpdate):
         clip_vf = math.nan if cfg.clip_range_vf is None else cfg.clip_range_vf
         helper.post(_LOAD, cfg.clip_range, clip_vf, cfg.ent_coef, cfg.vf_coef, cfg.max_grad_norm, wake=True)
         self._adam_step = float(self.adam.steps[0])
+        self._hyperparameters = self.adam.hyperparameters()  # nothing changes them during a train()
 
     def gathered(self, index: th.Tensor) -> None:
         """Tell the helper that the sampler gathered the epoch in the order ``index``."""
@@ -375,7 +376,7 @@ class SplitPPOUpdate(ManualPPOUpdate):
         assert helper is not None
         helper.idle()
         divisor = self.flat.clip_divisor(max_grad_norm)
-        lr, beta1, beta2, eps = self.adam.hyperparameters()
+        lr, beta1, beta2, eps = self._hyperparameters
         self._adam_step += 1
         helper.post(_STEP, 0.0 if divisor is None else float(divisor), lr, beta1, beta2, eps, self._adam_step)
         self.adam.step_range(self.actor_part, divisor, lr, beta1, beta2, eps, self._adam_step)
