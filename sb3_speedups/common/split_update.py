@@ -306,6 +306,7 @@ class SplitPPOUpdate(ManualPPOUpdate):
         self.actor_part = slice(0, self.net.critic_start)
         self.critic_part = slice(self.net.critic_start, self.flat.data.numel())
         self._helper: _Helper | None = None
+        self._last_gather = 0  # the command count at which the helper has read the last order handed to it
         self._value_loss_zeroed: set[int] = set()
         # helper side: the epoch's gathered observations and (old values, returns), and views of its minibatches
         self._epoch: tuple[th.Tensor, th.Tensor] | None = None
@@ -328,6 +329,7 @@ class SplitPPOUpdate(ManualPPOUpdate):
         if helper is None or helper.shared.key[:2] != (n, obs_dim) or helper.shared.key[2] < rows or not helper.alive():
             self.close()
             helper = self._helper = _Helper(self, _Shared(n, obs_dim, max(rows, 1)))
+            self._last_gather = 0
         shared = helper.shared
         shared.obs.copy_(observations)
         shared.scalars[0].copy_(scalars[OLD_VALUES])
@@ -340,9 +342,9 @@ class SplitPPOUpdate(ManualPPOUpdate):
     def gathered(self, index: th.Tensor) -> None:
         """Tell the helper that the sampler gathered the epoch in the order ``index``."""
         assert self._helper is not None
-        self._helper.idle()  # it may still read the previous order
+        self._helper.wait(self._last_gather)  # done long ago in practice: no wait for the helper to wake up
         self._helper.shared.index.copy_(index)
-        self._helper.post(_GATHER)
+        self._last_gather = self._helper.post(_GATHER)
 
     def begin_minibatch(self, start: int, end: int, row: int) -> None:
         """Have the helper compute the critic's gradient of the epoch's samples ``start:end`` (stats row ``row``)."""

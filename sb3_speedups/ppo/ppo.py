@@ -345,6 +345,8 @@ class PPO(stable_baselines3.PPO):
         """:meth:`_run_epochs` with the critic's half of each minibatch in the helper process."""
         assert isinstance(sampler.observations, th.Tensor)
         rows, last_epoch_start, continue_training = 0, 0, True
+        bounds = [(start, min(start + self.batch_size, sampler.n)) for start in range(0, sampler.n, self.batch_size)]
+        stat_rows = stats.unbind(0)  # the row views at once, not one indexing per minibatch
         try:
             with deferred_sigint() as interrupted:
                 updater.begin_train(sampler.observations, sampler.scalars, cfg, stats.shape[0])
@@ -353,10 +355,9 @@ class PPO(stable_baselines3.PPO):
                         sampler.gather()
                         updater.gathered(sampler.index)
                     last_epoch_start = rows
-                    for k, minibatch in enumerate(sampler.minibatches()):
-                        start = k * self.batch_size
-                        updater.begin_minibatch(start, min(start + self.batch_size, sampler.n), rows)
-                        updater.forward(minibatch, cfg, stats[rows])
+                    for (start, end), minibatch in zip(bounds, sampler.minibatches(), strict=True):
+                        updater.begin_minibatch(start, end, rows)
+                        updater.forward(minibatch, cfg, stat_rows[rows])
                         rows += 1
                         if self.target_kl is not None:
                             kl = float(approx_kl(stats[rows - 1].double()))
