@@ -246,3 +246,19 @@ def test_the_helper_dies_with_its_training_process(tmp_path: Path) -> None:
     while _running(pid) and time.time() < deadline:
         time.sleep(0.05)
     assert not _running(pid)
+
+
+@pytest.mark.parametrize("trainers", [1, 2])
+def test_tune_trainings_use_split_updates_only_with_two_cpus_each(trainers: int) -> None:
+    from sb3_speedups.tune.training import TrialJob, train_seed
+
+    job = TrialJob(
+        "ppo", "CartPole-v1", {"n_envs": 2, "n_steps": 16, "batch_size": 32, "n_epochs": 1}, 64, [64], n_eval_episodes=1,
+        device="cpu", concurrent_trainers=trainers,
+    )  # fmt: skip
+    try:
+        result = train_seed(job, 0, lambda index, value: True)
+        assert len(result.returns) == 1
+        assert split_update._allowed == (2 * trainers <= split_update.available_cpus())
+    finally:
+        split_update.allow_split_updates(True)
