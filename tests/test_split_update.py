@@ -262,3 +262,14 @@ def test_tune_trainings_use_split_updates_only_with_two_cpus_each(trainers: int)
         assert split_update._allowed == (2 * trainers <= split_update.available_cpus())
     finally:
         split_update.allow_split_updates(True)
+
+
+def test_target_kl_stops_the_split_epochs_as_it_stops_the_one_process_ones() -> None:
+    counts = []
+    for split in (False, True):
+        model = _model(split_update=split, target_kl=1e-9, n_epochs=5)
+        model.learn(128)  # two rollouts: the first minibatch of each train() exceeds the target once it has moved
+        counts.append((type(model._speedups.updater).__name__, model._n_updates))  # type: ignore[union-attr]
+        model._close_speedups()
+    assert counts[0][0] == "ManualPPOUpdate" and counts[1][0] == "SplitPPOUpdate"
+    assert counts[0][1] == counts[1][1] < 2 * 5

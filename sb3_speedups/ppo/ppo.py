@@ -325,19 +325,26 @@ class PPO(stable_baselines3.PPO):
             for minibatch in sampler.minibatches():
                 speed.updater.forward(minibatch, cfg, stats[rows])
                 rows += 1
-                if self.target_kl is not None:
-                    kl = float(approx_kl(stats[rows - 1].double()))
-                    if kl > 1.5 * self.target_kl:
-                        continue_training = False
-                        if self.verbose >= 1:
-                            print(f"Early stopping at step {epoch} due to reaching max kl: {kl:.2f}")
-                        break
+                if self._kl_stops(stats[rows - 1], epoch):
+                    continue_training = False
+                    break
                 speed.updater.backward()
                 speed.updater.optimizer_step(cfg.max_grad_norm)
             self._n_updates += 1
             if not continue_training:
                 break
         return rows, last_epoch_start
+
+    def _kl_stops(self, row: th.Tensor, epoch: int) -> bool:
+        """:return: whether ``target_kl`` stops the epochs after the minibatch of this stats row (as stock SB3)"""
+        if self.target_kl is None:
+            return False
+        kl = float(approx_kl(row.double()))
+        if kl <= 1.5 * self.target_kl:
+            return False
+        if self.verbose >= 1:
+            print(f"Early stopping at step {epoch} due to reaching max kl: {kl:.2f}")
+        return True
 
     def _run_split_epochs(
         self, updater: SplitPPOUpdate, sampler: MinibatchSampler, cfg: PPOLossConfig, stats: th.Tensor
@@ -359,13 +366,9 @@ class PPO(stable_baselines3.PPO):
                         updater.begin_minibatch(start, end, rows)
                         updater.forward(minibatch, cfg, stat_rows[rows])
                         rows += 1
-                        if self.target_kl is not None:
-                            kl = float(approx_kl(stats[rows - 1].double()))
-                            if kl > 1.5 * self.target_kl:
-                                continue_training = False
-                                if self.verbose >= 1:
-                                    print(f"Early stopping at step {epoch} due to reaching max kl: {kl:.2f}")
-                                break
+                        if self._kl_stops(stat_rows[rows - 1], epoch):
+                            continue_training = False
+                            break
                         updater.backward()
                         updater.optimizer_step(cfg.max_grad_norm)
                         if interrupted:
