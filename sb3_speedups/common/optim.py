@@ -10,9 +10,8 @@ exactly what stock Adam would hold.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import mmap
+from collections.abc import Sequence
 
 import torch as th
 
@@ -75,12 +74,10 @@ class FlatParameters:
         if shared:
             self.data, self.grad = shared_zeros(total, first.dtype), shared_zeros(total, first.dtype)
         else:
-            self.data = th.empty(total, dtype=first.dtype, device=first.device)
+            self.data = th.zeros(total, dtype=first.dtype, device=first.device)  # zeros: the gap before `aligned`
             self.grad = th.zeros(total, dtype=first.dtype, device=first.device)
         self._offsets: dict[int, int] = starts
         self._divisor: th.Tensor | None = None  # clip_divisor's on the CPU
-        if not shared:
-            self.data.zero_()  # the gap before an aligned parameter
         with th.no_grad():
             for p in layout:
                 offset = starts[id(p)]

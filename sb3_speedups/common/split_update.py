@@ -32,6 +32,7 @@ import traceback
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+
 import numpy as np
 import torch as th
 from stable_baselines3.common.policies import ActorCriticPolicy
@@ -211,7 +212,7 @@ def _die_with_parent(parent: int) -> None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux: the sleep loop checks the parent
+    except (OSError, AttributeError):  # no prctl in this libc: the sleep loop still checks the parent
         pass
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(0)
