@@ -273,3 +273,34 @@ def test_target_kl_stops_the_split_epochs_as_it_stops_the_one_process_ones() -> 
         model._close_speedups()
     assert counts[0][0] == "ManualPPOUpdate" and counts[1][0] == "SplitPPOUpdate"
     assert counts[0][1] == counts[1][1] < 2 * 5
+
+
+def test_a_sigterm_during_the_fork_is_not_lost(tmp_path: Path) -> None:
+    # The signal arrives while the after-fork hooks run; unblocked there, its handler's KeyboardInterrupt would be
+    # swallowed ("Exception ignored in ...") and training would go on (as a tune run once did).
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "from stable_baselines3.common.env_util import make_vec_env\n"
+        "from sb3_speedups import PPO\n"
+        "def handler(signum, frame):\n"
+        "    raise KeyboardInterrupt\n"
+        "signal.signal(signal.SIGTERM, handler)\n"
+        "sent = []\n"
+        "def kill_once():\n"
+        "    if not sent:\n"
+        "        sent.append(1)\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "os.register_at_fork(after_in_parent=kill_once)\n"
+        "m = PPO('MlpPolicy', make_vec_env('CartPole-v1', n_envs=4), n_steps=16, batch_size=32, n_epochs=2, "
+        "split_update=True)\n"
+        "try:\n"
+        "    m.learn(640)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', m.num_timesteps, m._speedups.updater.helper_pid(), flush=True)\n"
+        "    sys.exit(130)\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 130, out.stdout + out.stderr
+    assert "Exception ignored" not in out.stderr, out.stderr
+    assert out.stdout.split() == ["interrupted", "64", "None"]  # in the first train(); the helper stopped

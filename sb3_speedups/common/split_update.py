@@ -57,6 +57,7 @@ _SPIN_SECONDS = 0.002
 _SLEEP_SECONDS = 0.01
 _ERROR_BYTES = 4096
 _PR_SET_PDEATHSIG = 1
+_DEFERRED_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 _allowed = True
 
@@ -136,13 +137,19 @@ class _Helper:
         os.set_blocking(write_fd, False)
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the helper: never returns
-            _serve_forever(update, shared, read_fd, parent)
-        os.close(read_fd)
-        self.pid, self.write_fd = pid, write_fd
-        self.exit_status: int | None = None
-        self._finalizer = weakref.finalize(self, _kill, pid, (write_fd,))
+        # A Ctrl-C or SIGTERM whose Python handler ran inside the after-fork hooks (logging registers some) would be
+        # swallowed there ("Exception ignored in ..."): the signals wait until the helper is set up, then arrive here.
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED_SIGNALS)
+        try:
+            pid = os.fork()
+            if pid == 0:  # the helper: never returns
+                _serve_forever(update, shared, read_fd, parent)
+            os.close(read_fd)
+            self.pid, self.write_fd = pid, write_fd
+            self.exit_status: int | None = None
+            self._finalizer = weakref.finalize(self, _kill, pid, (write_fd,))
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
     def post(self, code: int, *args: float, wake: bool = False) -> int:
         """Queue a command; :return: the count of commands the helper must have done for this one to be done"""
