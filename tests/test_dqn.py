@@ -12,8 +12,8 @@ from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from stable_baselines3.common.vec_env import VecNormalize
 
 from sb3_speedups import DQN
-from sb3_speedups.common.q_update import AutogradQUpdate, ManualQUpdate, huber_
-from sb3_speedups.common.replay_sampling import draw_indices, gather, newest_indices, sample_minibatches
+from sb3_speedups.dqn.update import AutogradQUpdate, ManualQUpdate, huber_
+from sb3_speedups.dqn.replay.sampling import draw_indices, gather, newest_indices, sample_minibatches
 from sb3_speedups.dqn.policies import DuelingMlpPolicy, DuelingQNetwork
 from sb3_speedups.errors import UserError
 from sb3_speedups.registry import get_algo
@@ -256,7 +256,7 @@ def test_learns_cartpole():
 
 
 def test_prioritized_replay_trains_with_weights_and_priorities():
-    from sb3_speedups.common.replay_buffers import PrioritizedReplayBuffer
+    from sb3_speedups.dqn.replay.buffers import PrioritizedReplayBuffer
 
     model = DQN(
         "MlpPolicy",

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from stable_baselines3.common.buffers import DictRolloutBuffer, RolloutBuffer
 
-from sb3_speedups.common.buffers import FastDictRolloutBuffer, FastRolloutBuffer, compute_gae
-from sb3_speedups.common.minibatches import ADVANTAGES, MinibatchSampler, normalize_chunks_
+from sb3_speedups.ppo.buffers import FastDictRolloutBuffer, FastRolloutBuffer, compute_gae
+from sb3_speedups.ppo.minibatches import ADVANTAGES, MinibatchSampler, normalize_chunks_
 
 
 def reference_gae(rewards, values, terminated, truncated, terminal_values, last_values, gamma, lam):

@@ -10,10 +10,10 @@ from gymnasium import spaces
 from stable_baselines3.common.policies import ActorCriticPolicy, MultiInputActorCriticPolicy
 from torch import nn
 
-from sb3_speedups.common.fast_mlp import ActorCriticMlp, BufferedMlpForward
-from sb3_speedups.common.heads import make_head, sample_one_per_row
-from sb3_speedups.common.inference import LeanActorCritic, LeanMlp, ModuleActorCritic, ParameterMirror
-from sb3_speedups.common.optim import FLUSH_SUBNORMALS_EVERY, FlatAdam, FlatParameters, adam_unsupported_reason
+from sb3_speedups.common.nn.training import ActorCriticMlp, BufferedMlpForward
+from sb3_speedups.common.nn.heads import make_head, sample_one_per_row
+from sb3_speedups.common.acting.actors import LeanActorCritic, LeanMlp, ModuleActorCritic, ParameterMirror
+from sb3_speedups.common.nn.optim import FLUSH_SUBNORMALS_EVERY, FlatAdam, FlatParameters, adam_unsupported_reason
 
 ACTION_SPACES = {
     "discrete": spaces.Discrete(3),

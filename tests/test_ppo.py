@@ -17,10 +17,10 @@ from stable_baselines3.common.policies import ActorCriticPolicy
 from stable_baselines3.common.vec_env import VecNormalize
 
 from sb3_speedups import PPO
-from sb3_speedups.common.heads import make_head
-from sb3_speedups.common.buffers import env_major_to_time_major
-from sb3_speedups.common.minibatches import Minibatch, MinibatchSampler
-from sb3_speedups.common.ppo_update import STATS, AutogradPPOUpdate, ManualPPOUpdate, PPOLossConfig
+from sb3_speedups.common.nn.heads import make_head
+from sb3_speedups.ppo.buffers import env_major_to_time_major
+from sb3_speedups.ppo.minibatches import Minibatch, MinibatchSampler
+from sb3_speedups.ppo.update import STATS, AutogradPPOUpdate, ManualPPOUpdate, PPOLossConfig
 from sb3_speedups.errors import UserError
 from sb3_speedups.registry import get_algo
 

@@ -9,8 +9,8 @@ from stable_baselines3 import DQN
 from stable_baselines3.common.buffers import NStepReplayBuffer, ReplayBuffer
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
-from sb3_speedups.common.replay_buffers import PrioritizedReplayBuffer, PrioritizedReplayBufferSamples, newest_indices
-from sb3_speedups.common.sum_tree import SumTree
+from sb3_speedups.dqn.replay.buffers import PrioritizedReplayBuffer, PrioritizedReplayBufferSamples, newest_indices
+from sb3_speedups.dqn.replay.sum_tree import SumTree
 
 priorities_lists = st.lists(st.floats(0.0, 100.0, allow_nan=False), min_size=1, max_size=70)
 

@@ -1,4 +1,4 @@
-"""The PPO update split over the training process and a forked helper process (sb3_speedups.common.split_update)."""
+"""The PPO update split over the training process and a forked helper process (sb3_speedups.ppo.split_update)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from stable_baselines3.common.env_util import make_vec_env
 
 from sb3_speedups import PPO
 from sb3_speedups.common import split_update
-from sb3_speedups.common.heads import make_head
-from sb3_speedups.common.minibatches import MinibatchSampler
-from sb3_speedups.common.ppo_update import STATS, VALUE_LOSS, ManualPPOUpdate, PPOLossConfig
-from sb3_speedups.common.split_update import HelperError, SplitPPOUpdate, deferred_sigint
+from sb3_speedups.common.nn.heads import make_head
+from sb3_speedups.ppo.minibatches import MinibatchSampler
+from sb3_speedups.ppo.update import STATS, VALUE_LOSS, ManualPPOUpdate, PPOLossConfig
+from sb3_speedups.ppo.split_update import HelperError, SplitPPOUpdate, deferred_sigint
 from sb3_speedups.errors import UserError
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="split updates need Linux's fork()")

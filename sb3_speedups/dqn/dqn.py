@@ -2,12 +2,12 @@
 DQN as in Stable-Baselines3, faster, with modern replay options. What differs from stock, and why it is faster:
 
 - ``train()`` samples all of its minibatches at once (the same global-RNG draws as stock, then one gather and one
-  tensor conversion: :mod:`sb3_speedups.common.replay_sampling`) and computes every TD target with one forward of
+  tensor conversion: :mod:`sb3_speedups.dqn.replay.sampling`) and computes every TD target with one forward of
   the target network (it is constant inside ``train()``: SB3 updates it in ``_on_step``);
-- each gradient step is :class:`~sb3_speedups.common.q_update.ManualQUpdate` for MLP Q-networks (hand-derived
+- each gradient step is :class:`~sb3_speedups.dqn.update.ManualQUpdate` for MLP Q-networks (hand-derived
   gradients, flat parameters, fused Adam, no host sync), else the autograd
-  :class:`~sb3_speedups.common.q_update.AutogradQUpdate`; the loss is logged once per ``train()``;
-- actions come from a plain-tensor copy of the Q-network (:class:`~sb3_speedups.common.inference.LeanMlp`), one
+  :class:`~sb3_speedups.dqn.update.AutogradQUpdate`; the loss is logged once per ``train()``;
+- actions come from a plain-tensor copy of the Q-network (:class:`~sb3_speedups.common.acting.actors.LeanMlp`), one
   call for all envs, synced once per rollout;
 - torch runs on one CPU thread unless the user chose otherwise, except in ``train()`` when the Q-network's matrix
   products are large (batch x layer inputs x outputs >= 2M multiply-adds, e.g. the RL Zoo's 256x256 nets): there
@@ -15,7 +15,7 @@ DQN as in Stable-Baselines3, faster, with modern replay options. What differs fr
 
 Options, off by default so that the defaults are stock SB3 DQN: ``double_q``, ``combined_replay``, dueling heads
 (``policy_kwargs=dict(dueling=True)``), and prioritised replay (any ``replay_buffer_class`` with ``update_priorities``,
-e.g. :class:`sb3_speedups.common.replay_buffers.PrioritizedReplayBuffer`); n-step returns as stock (``n_steps``).
+e.g. :class:`sb3_speedups.dqn.replay.buffers.PrioritizedReplayBuffer`); n-step returns as stock (``n_steps``).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ import torch as th
 from stable_baselines3.common.noise import ActionNoise
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
-from sb3_speedups.common.fast_mlp import BufferedMlpForward
-from sb3_speedups.common.inference import LeanMlp, ParameterMirror
-from sb3_speedups.common.q_update import AutogradQUpdate, ManualQUpdate, huber_, q_mlp_unsupported_reason
-from sb3_speedups.common.replay_buffers import PrioritizedReplayBuffer, PrioritizedReplayBufferSamples
-from sb3_speedups.common.replay_sampling import (
+from sb3_speedups.common.nn.training import BufferedMlpForward
+from sb3_speedups.common.acting.actors import LeanMlp, ParameterMirror
+from sb3_speedups.dqn.update import AutogradQUpdate, ManualQUpdate, huber_, q_mlp_unsupported_reason
+from sb3_speedups.dqn.replay.buffers import PrioritizedReplayBuffer, PrioritizedReplayBufferSamples
+from sb3_speedups.dqn.replay.sampling import (
     batchable,
     batched_sampling_supported,
     chunk_sizes,

@@ -1,13 +1,13 @@
 """
 PPO as in Stable-Baselines3, faster. What differs from stock, and why it is faster:
 
-- collection acts from a frozen plain-tensor copy of the policy (:mod:`sb3_speedups.common.inference`), synced once
+- collection acts from a frozen plain-tensor copy of the policy (:mod:`sb3_speedups.common.acting.actors`), synced once
   per rollout, one batched call per vectorised step, into a buffer allocated once
-  (:class:`~sb3_speedups.common.buffers.FastRolloutBuffer`);
-- ``train()`` shuffles once per epoch (:class:`~sb3_speedups.common.minibatches.MinibatchSampler`), keeps the
-  statistics on the device until the end, and updates with :class:`~sb3_speedups.common.ppo_update.ManualPPOUpdate`
+  (:class:`~sb3_speedups.ppo.buffers.FastRolloutBuffer`);
+- ``train()`` shuffles once per epoch (:class:`~sb3_speedups.ppo.minibatches.MinibatchSampler`), keeps the
+  statistics on the device until the end, and updates with :class:`~sb3_speedups.ppo.update.ManualPPOUpdate`
   (hand-derived gradients, flat buffers, fused Adam) for MLP policies, else with the autograd
-  :class:`~sb3_speedups.common.ppo_update.AutogradPPOUpdate`;
+  :class:`~sb3_speedups.ppo.update.AutogradPPOUpdate`;
 - torch runs on one CPU thread unless the user chose otherwise (faster and steadier for small networks).
 
 The maths and the defaults are stock SB3's; new options (``recompute_advantages``, ``normalize_advantage="batch"``,
@@ -30,15 +30,15 @@ from stable_baselines3.common.preprocessing import is_image_space
 from stable_baselines3.common.utils import FloatSchedule, explained_variance, obs_as_tensor
 from stable_baselines3.common.vec_env import VecEnv
 
-from sb3_speedups.common.buffers import PreallocatedRollout, fast_buffer_class
-from sb3_speedups.common.cuda_graphs import GraphedEpochs, graph_key
-from sb3_speedups.common.fast_mlp import mlp_unsupported_reason
-from sb3_speedups.common.heads import make_head
-from sb3_speedups.common.inference import LeanActorCritic, ModuleActorCritic
-from sb3_speedups.common.minibatches import MinibatchSampler
-from sb3_speedups.common.on_policy import collect_rollout, collect_rollout_double_buffered, double_buffer_unsupported_reason
-from sb3_speedups.common.optim import adam_unsupported_reason
-from sb3_speedups.common.ppo_update import (
+from sb3_speedups.ppo.buffers import PreallocatedRollout, fast_buffer_class
+from sb3_speedups.ppo.cuda_graphs import GraphedEpochs, graph_key
+from sb3_speedups.common.nn.training import mlp_unsupported_reason
+from sb3_speedups.common.nn.heads import make_head
+from sb3_speedups.common.acting.actors import LeanActorCritic, ModuleActorCritic
+from sb3_speedups.ppo.minibatches import MinibatchSampler
+from sb3_speedups.ppo.collection import collect_rollout, collect_rollout_double_buffered, double_buffer_unsupported_reason
+from sb3_speedups.common.nn.optim import adam_unsupported_reason
+from sb3_speedups.ppo.update import (
     CLIP_FRACTION,
     ENTROPY_LOSS,
     NEG_PG,
@@ -49,7 +49,7 @@ from sb3_speedups.common.ppo_update import (
     PPOLossConfig,
     approx_kl,
 )
-from sb3_speedups.common.split_update import SplitPPOUpdate, deferred_sigint, split_unsupported_reason
+from sb3_speedups.ppo.split_update import SplitPPOUpdate, deferred_sigint, split_unsupported_reason
 from sb3_speedups.common.torch_utils import apply_num_threads
 from sb3_speedups.errors import UserError
 
@@ -91,10 +91,10 @@ class PPO(stable_baselines3.PPO):
     :param cuda_graphs: on a CUDA ``device``, record an epoch of the hand-derived update as a CUDA graph and replay
         it for the later epochs (not with ``target_kl``, which needs the host after every minibatch)
     :param double_buffer: collect with the envs in two halves that step in turn, the policy acting for one half while
-        the other steps (:func:`~sb3_speedups.common.on_policy.collect_rollout_double_buffered`); needs a
+        the other steps (:func:`~sb3_speedups.ppo.collection.collect_rollout_double_buffered`); needs a
         :class:`~sb3_speedups.BatchedSubprocVecEnv` training env with at least two groups of envs
     :param split_update: compute the critic's half of every minibatch update in a forked helper process, beside the
-        actor's (:mod:`sb3_speedups.common.split_update`; the same numbers as one process). ``"auto"`` does so for
+        actor's (:mod:`sb3_speedups.ppo.split_update`; the same numbers as one process). ``"auto"`` does so for
         the hand-derived update on a CPU with at least 2 cores when torch runs on one thread; ``True`` whenever the
         hand-derived update runs on the CPU under Linux; ``False`` never
     """

@@ -4,7 +4,7 @@ Lean rollout collection for recurrent policies: one plain-tensor pass per vector
 sb3-contrib's per-step path goes through ``policy.forward`` (module calls, distribution objects, ``RNNStates``
 rebuilt), a ``deepcopy`` of the states and a per-env Python loop for the timeout bootstrap. Here the standard policy
 (flattened ``Box`` observations, separate actor and critic LSTM/GRU, plain MLP extractor, a head from
-:mod:`sb3_speedups.common.heads`) is evaluated on its live parameters under ``torch.inference_mode`` with
+:mod:`sb3_speedups.common.nn.heads`) is evaluated on its live parameters under ``torch.inference_mode`` with
 ``torch.lstm``/``torch.gru`` (the kernels ``nn.LSTM``/``nn.GRU`` call), states reset at episode starts by one
 multiply, and all timeouts of a step bootstrapped in one value call. The sampling draws from torch's RNG as
 ``torch.distributions`` does, so for one seed the rollout is sb3-contrib's.
@@ -25,9 +25,9 @@ from stable_baselines3.common.torch_layers import FlattenExtractor
 from stable_baselines3.common.vec_env import VecEnv
 from torch import nn
 
-from sb3_speedups.common.heads import ActionHead, make_head
-from sb3_speedups.common.inference import LeanMlp, box_env_actions
-from sb3_speedups.common.on_policy import stack_observations
+from sb3_speedups.common.nn.heads import ActionHead, make_head
+from sb3_speedups.common.acting.actors import LeanMlp, box_env_actions
+from sb3_speedups.ppo.collection import stack_observations
 
 State = tuple[th.Tensor, th.Tensor]
 

@@ -4,7 +4,7 @@ RecurrentPPO's minibatch loss as sb3-contrib computes it, without host syncs, an
 sb3-contrib takes masked means with boolean indexing (``x[mask].mean()``) and calls ``.item()`` four times per
 minibatch. Here the padding mask multiplies instead (the same means: padded entries are excluded, up to float
 rounding), the statistics stay a tensor row per minibatch, and Adam is one fused step over one flat gradient
-buffer (:mod:`sb3_speedups.common.optim`) after one norm for the clipping.
+buffer (:mod:`sb3_speedups.common.nn.optim`) after one norm for the clipping.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch as th
 from sb3_contrib.common.recurrent.type_aliases import RecurrentRolloutBufferSamples
 from torch import nn
 
-from sb3_speedups.common.optim import FlatAdam, FlatParameters, adam_unsupported_reason
+from sb3_speedups.common.nn.optim import FlatAdam, FlatParameters, adam_unsupported_reason
 
 #: per-minibatch statistics, in the order of a stats row
 STATS = ("policy_gradient_loss", "clip_fraction", "value_loss", "entropy_loss", "approx_kl", "loss")

@@ -13,7 +13,7 @@ from sb3_speedups.registry import import_object
 from sb3_speedups.tune.search_space import Param, SearchSpace, policy_class
 from sb3_speedups.zoo.validation import accepted_kwargs
 
-PRIORITIZED_REPLAY = "sb3_speedups.common.replay_buffers.PrioritizedReplayBuffer"
+PRIORITIZED_REPLAY = "sb3_speedups.dqn.replay.buffers.PrioritizedReplayBuffer"
 
 
 def _params(*params: Param) -> dict[str, Param]:

@@ -14,7 +14,7 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.vec_env import VecEnv, sync_envs_normalization
 
-from sb3_speedups.common.split_update import allow_split_updates
+from sb3_speedups.ppo.split_update import allow_split_updates
 from sb3_speedups.common.torch_utils import apply_num_threads, available_cpus
 from sb3_speedups.zoo.envs import is_atari, make_env
 from sb3_speedups.zoo.train import TrainConfig, create_model, prepare_experiment

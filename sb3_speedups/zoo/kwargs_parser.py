@@ -28,7 +28,7 @@ _NAMED_OBJECTS = {
     "CombinedExtractor": "stable_baselines3.common.torch_layers:CombinedExtractor",
     "HerReplayBuffer": "stable_baselines3:HerReplayBuffer",
     "ReplayBuffer": "stable_baselines3.common.buffers:ReplayBuffer",
-    "PrioritizedReplayBuffer": "sb3_speedups.common.replay_buffers:PrioritizedReplayBuffer",
+    "PrioritizedReplayBuffer": "sb3_speedups.dqn.replay.buffers:PrioritizedReplayBuffer",
     "RMSpropTFLike": "stable_baselines3.common.sb2_compat.rmsprop_tf_like:RMSpropTFLike",
 }
 _CONSTANTS = {"True": True, "False": False, "None": None}

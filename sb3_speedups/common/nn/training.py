@@ -18,7 +18,7 @@ from stable_baselines3.common.policies import ActorCriticPolicy
 from stable_baselines3.common.torch_layers import FlattenExtractor
 from torch import nn
 
-from sb3_speedups.common.optim import FlatParameters
+from sb3_speedups.common.nn.optim import FlatParameters
 
 #: activations the hand-derived backward knows
 ACTIVATIONS: dict[type[nn.Module], str] = {nn.Tanh: "tanh", nn.ReLU: "relu"}

@@ -1,5 +1,5 @@
 """
-Collecting one on-policy rollout with an actor (:mod:`sb3_speedups.common.inference`): one batched policy call per
+Collecting one on-policy rollout with an actor (:mod:`sb3_speedups.common.acting.actors`): one batched policy call per
 vectorised step, SB3's semantics kept (``callback.on_step`` once per step with ``update_locals``, episode info
 buffer, ``_last_obs``/``_last_episode_starts``, timeout bootstrap with the terminal observation's value, ``Box``
 action clipping, gSDE noise resampling).
@@ -15,7 +15,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.vec_env import VecEnv
 
-from sb3_speedups.common.buffers import PreallocatedRollout
+from sb3_speedups.ppo.buffers import PreallocatedRollout
 from sb3_speedups.common.vec_env.stepping import SubsetSteppingMixin
 from sb3_speedups.errors import UserError
 

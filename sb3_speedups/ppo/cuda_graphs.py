@@ -3,7 +3,7 @@ PPO epochs replayed from a recorded CUDA graph.
 
 A small network's minibatch update is about a hundred tiny kernels, and on a GPU each costs a few microseconds of
 host time to launch, more than the GPU spends running it. Measured on an H200 (CartPole, 64x64 MLP, minibatch 256,
-:class:`~sb3_speedups.common.ppo_update.ManualPPOUpdate`): one update launched op by op 639 us, slower than the same
+:class:`~sb3_speedups.ppo.update.ManualPPOUpdate`): one update launched op by op 639 us, slower than the same
 update on one CPU core here (292 us); replayed from a CUDA graph 132 us. :class:`GraphedEpochs` records one epoch
 (the gather of the rollout in the epoch's order, the advantage normalisation and every minibatch update) once, and
 replays it for every later epoch of every rollout.
@@ -15,8 +15,8 @@ import warnings
 
 import torch as th
 
-from sb3_speedups.common.minibatches import MinibatchSampler
-from sb3_speedups.common.ppo_update import STATS, ManualPPOUpdate, PPOLossConfig
+from sb3_speedups.ppo.minibatches import MinibatchSampler
+from sb3_speedups.ppo.update import STATS, ManualPPOUpdate, PPOLossConfig
 
 
 def graph_key(updater: ManualPPOUpdate, sampler: MinibatchSampler, cfg: PPOLossConfig) -> tuple:

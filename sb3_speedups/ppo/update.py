@@ -4,7 +4,7 @@ One PPO minibatch update, two ways with one interface (``forward`` -> ``backward
 - :class:`ManualPPOUpdate`: the standard MLP case with the loss's gradient derived by hand (no autograd graph),
   every intermediate in a preallocated buffer, gradients straight into one flat buffer, one fused Adam step.
 - :class:`AutogradPPOUpdate`: any ``ActorCriticPolicy`` through autograd, with the same flat fused Adam when the
-  optimizer allows it, and the distribution maths of :mod:`sb3_speedups.common.heads` where the policy is standard.
+  optimizer allows it, and the distribution maths of :mod:`sb3_speedups.common.nn.heads` where the policy is standard.
 
 Both compute exactly SB3's loss: clipped surrogate, optionally clipped value loss, entropy bonus. ``forward`` writes
 the minibatch's statistics (:data:`STATS`, means over the minibatch) into a row of a tensor without a host sync.
@@ -21,11 +21,11 @@ import torch.nn.functional as F
 from gymnasium import spaces
 from stable_baselines3.common.policies import ActorCriticPolicy
 
-from sb3_speedups.common.fast_mlp import ActorCriticMlp
-from sb3_speedups.common.heads import ActionHead
-from sb3_speedups.common.inference import lean_head, policy_latents
-from sb3_speedups.common.minibatches import Minibatch
-from sb3_speedups.common.optim import FlatAdam, FlatParameters, adam_unsupported_reason
+from sb3_speedups.common.nn.training import ActorCriticMlp
+from sb3_speedups.common.nn.heads import ActionHead
+from sb3_speedups.common.acting.actors import lean_head, policy_latents
+from sb3_speedups.ppo.minibatches import Minibatch
+from sb3_speedups.common.nn.optim import FlatAdam, FlatParameters, adam_unsupported_reason
 
 #: per-minibatch statistics, in the order of a stats row: ``policy_gradient_loss`` is stored negated (``mean(min)``),
 #: and SB3's ``approx_kl = mean(ratio - 1 - log_ratio)`` as ``mean(ratio)`` and ``mean(log_ratio)`` (see :func:`approx_kl`)
@@ -52,12 +52,12 @@ class PPOLossConfig:
 class ManualPPOUpdate:
     """
     Hand-derived PPO update of an MLP ``ActorCriticPolicy``; building it moves the policy's parameters into one
-    flat buffer (:class:`~sb3_speedups.common.optim.FlatParameters`) and its Adam state into :class:`FlatAdam`.
+    flat buffer (:class:`~sb3_speedups.common.nn.optim.FlatParameters`) and its Adam state into :class:`FlatAdam`.
 
-    :param policy: a policy accepted by :func:`~sb3_speedups.common.fast_mlp.mlp_unsupported_reason`, with a
-        ``torch.optim.Adam`` accepted by :func:`~sb3_speedups.common.optim.adam_unsupported_reason`
+    :param policy: a policy accepted by :func:`~sb3_speedups.common.nn.training.mlp_unsupported_reason`, with a
+        ``torch.optim.Adam`` accepted by :func:`~sb3_speedups.common.nn.optim.adam_unsupported_reason`
     :param head: the policy's action head
-    :param split: lay the networks out for :class:`~sb3_speedups.common.split_update.SplitPPOUpdate` (actor and
+    :param split: lay the networks out for :class:`~sb3_speedups.ppo.split_update.SplitPPOUpdate` (actor and
         critic apart, buffers in shared memory)
     """
 

@@ -1,5 +1,5 @@
 """
-The acting forward of :class:`~sb3_speedups.common.inference.LeanActorCritic` in numpy, for the CPU.
+The acting forward of :class:`~sb3_speedups.common.acting.actors.LeanActorCritic` in numpy, for the CPU.
 
 For the few observations of one vectorised step the cost of a policy call is per-call overhead, which is a few
 times lower for numpy than for torch; the parameters are numpy views of the actor's mirror, so its sync updates them.
@@ -15,7 +15,7 @@ import torch as th
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from sb3_speedups.common.inference import LeanActorCritic, LeanMlp
+    from sb3_speedups.common.acting.actors import LeanActorCritic, LeanMlp
 
 _NUMPY_ACTIVATIONS: dict[Any, Callable[[np.ndarray], Any]] = {
     th.tanh: lambda x: np.tanh(x, out=x),

@@ -8,7 +8,7 @@ gradient clipping couples them (one norm over all gradients). So each minibatch 
 critic's forward and backward while the training process computes the actor's; the training process then takes the
 norm of the whole gradient (the same reduction over the same buffer as in one process), and each process takes the
 Adam step of its own parameters (element-wise, so the same numbers). Parameters, gradients and Adam moments live in
-shared memory (:func:`~sb3_speedups.common.optim.shared_zeros`); the processes hand over work through a small
+shared memory (:func:`~sb3_speedups.common.nn.optim.shared_zeros`); the processes hand over work through a small
 command ring in shared memory that both poll, so a hand-over costs well under a microsecond. Between ``train()``
 calls the helper sleeps on a pipe and uses no CPU, so it does not compete with the environments.
 
@@ -37,10 +37,10 @@ import numpy as np
 import torch as th
 from stable_baselines3.common.policies import ActorCriticPolicy
 
-from sb3_speedups.common.heads import ActionHead
-from sb3_speedups.common.minibatches import OLD_VALUES, RETURNS, Minibatch
-from sb3_speedups.common.optim import shared_zeros
-from sb3_speedups.common.ppo_update import VALUE_LOSS, ManualPPOUpdate, PPOLossConfig
+from sb3_speedups.common.nn.heads import ActionHead
+from sb3_speedups.ppo.minibatches import OLD_VALUES, RETURNS, Minibatch
+from sb3_speedups.common.nn.optim import shared_zeros
+from sb3_speedups.ppo.update import VALUE_LOSS, ManualPPOUpdate, PPOLossConfig
 from sb3_speedups.common.torch_utils import available_cpus
 
 # Slots of the control block (int64): commands written by the training process, commands done by the helper, the
@@ -301,7 +301,7 @@ def deferred_sigint() -> Iterator[list[int]]:
 
 class SplitPPOUpdate(ManualPPOUpdate):
     """
-    :class:`~sb3_speedups.common.ppo_update.ManualPPOUpdate` with the critic's half of every minibatch computed in a
+    :class:`~sb3_speedups.ppo.update.ManualPPOUpdate` with the critic's half of every minibatch computed in a
     forked helper process (see the module's docstring). The same numbers as the one-process update of unstacked
     networks; call :meth:`begin_train`, then per minibatch :meth:`begin_minibatch` before ``forward``, and
     :meth:`end_train` after the last one.

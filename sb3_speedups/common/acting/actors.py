@@ -1,0 +1,386 @@
+"""
+Lean batched policy calls for collecting experience, from a frozen copy of the policy synced once per rollout.
+
+- :class:`ParameterMirror`: plain-tensor copies of a module's parameters on the acting device (CPU), refreshed with
+  one copy when the source tensors share one flat buffer (:class:`sb3_speedups.common.nn.optim.FlatParameters`).
+- :class:`LeanMlp`: an ``nn.Sequential`` of ``Linear`` layers and activations as plain tensors (no module calls);
+  DQN's Q-network and PPO's policy and value networks use it.
+- :class:`LeanActorCritic`: the actor for an MLP ``ActorCriticPolicy``: one forward for all envs, sampling that draws
+  torch's RNG exactly as ``torch.distributions`` does (so the first rollout equals stock SB3's for one seed).
+- :class:`ModuleActorCritic`: the same interface for any other policy (CNN, ``Dict`` observations, gSDE, custom),
+  calling the policy itself, or a copy of it on the acting device.
+
+Actors are called under ``torch.inference_mode`` and return ``(actions as numpy, values [n, 1], log_probs [n])``,
+as SB3's ``policy(obs)`` does after ``.cpu().numpy()``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch as th
+import torch.nn.functional as F
+from gymnasium import spaces
+from stable_baselines3.common.policies import ActorCriticPolicy, BasePolicy
+from stable_baselines3.common.utils import obs_as_tensor
+from torch import nn
+
+from sb3_speedups.common.nn.training import flat_layout, stackable
+from sb3_speedups.common.nn.heads import ActionHead, make_head
+from sb3_speedups.common.acting.numpy_actor import NumpyActorCritic
+
+_FUNCTIONAL: dict[type[nn.Module], Callable[[th.Tensor], th.Tensor]] = {nn.Tanh: th.tanh, nn.ReLU: F.relu}
+
+
+class ParameterMirror:
+    """
+    Copies of ``sources`` on ``device``, kept in one flat tensor; :meth:`sync` refreshes them.
+
+    :param sources: tensors or parameters to mirror (read afresh at each :meth:`sync`, so a parameter whose
+        storage moved is still followed)
+    :param device: where the copies live
+    :param keep_order: lay the copies out in the order given (so that neighbours can be viewed as one stacked
+        tensor), instead of in the sources' storage order
+    """
+
+    def __init__(self, sources: Sequence[th.Tensor], device: th.device | str = "cpu", keep_order: bool = False) -> None:
+        self.sources = list(sources)
+        self.device = th.device(device)
+        detached = [s.detach() for s in self.sources]
+        # In source-storage order, sources that tile one flat buffer are refreshed with one copy.
+        self._order = list(range(len(detached)))
+        if not keep_order:
+            self._order.sort(key=lambda i: (detached[i].untyped_storage().data_ptr(), detached[i].storage_offset()))
+        dtype = detached[0].dtype if detached else th.float32
+        self.flat = th.empty(sum(s.numel() for s in detached), dtype=dtype, device=self.device)
+        self.copies: list[th.Tensor] = [self.flat] * len(detached)
+        offset = 0
+        for i in self._order:
+            self.copies[i] = self.flat[offset : offset + detached[i].numel()].view_as(detached[i])
+            offset += detached[i].numel()
+        self.sync()
+
+    def _tiling(self, sources: list[th.Tensor]) -> th.Tensor | None:
+        """:return: one flat view over ``sources`` when, in mirror order, they tile one storage contiguously"""
+        first = sources[self._order[0]]
+        storage, start = first.untyped_storage().data_ptr(), first.storage_offset()
+        offset = start
+        for i in self._order:
+            s = sources[i]
+            if s.untyped_storage().data_ptr() != storage or s.storage_offset() != offset or not s.is_contiguous():
+                return None
+            if s.dtype != self.flat.dtype:
+                return None
+            offset += s.numel()
+        return th.as_strided(first, (offset - start,), (1,), start)
+
+    @th.no_grad()
+    def sync(self) -> None:
+        """Copy the sources' current values (one transfer when they tile one flat buffer)."""
+        if not self.sources:
+            return
+        sources = [s.detach() for s in self.sources]
+        flat = self._tiling(sources)
+        if flat is not None:
+            self.flat.copy_(flat)
+        elif all(s.device == self.device for s in sources):
+            th._foreach_copy_(self.copies, sources)
+        else:
+            for copy_, source in zip(self.copies, sources, strict=True):
+                copy_.copy_(source)
+
+    def is_current(self) -> bool:
+        """:return: whether every copy equals its source (for tests)"""
+        return all(th.equal(c, s.detach().to(self.device)) for c, s in zip(self.copies, self.sources, strict=True))
+
+
+class LeanMlp:
+    """
+    An ``nn.Sequential`` of ``nn.Linear`` and activation modules, run on plain (mirrored) tensors.
+
+    :param layers: ``(weight, bias, activation)`` per linear layer; ``activation`` may be ``None``
+    """
+
+    def __init__(self, layers: list[tuple[th.Tensor, th.Tensor | None, Callable[[th.Tensor], th.Tensor] | None]]) -> None:
+        self.layers = layers
+        self._layers_t = [(weight.t(), bias, act) for weight, bias, act in layers]  # views: they follow the weights
+
+    @staticmethod
+    def parse(seq: nn.Module) -> list[tuple[nn.Linear, Callable[[th.Tensor], th.Tensor] | None]] | None:
+        """
+        :param seq: ``nn.Sequential`` (or one ``nn.Linear``) to read
+        :return: ``(linear, activation)`` pairs, or ``None`` when ``seq`` holds anything but linear layers and
+            parameter-free activations
+        """
+        modules = [seq] if isinstance(seq, nn.Linear) else list(seq.children()) if isinstance(seq, nn.Sequential) else None
+        if modules is None:
+            return None
+        pairs: list[tuple[nn.Linear, Callable[[th.Tensor], th.Tensor] | None]] = []
+        for module in modules:
+            if type(module) is nn.Linear:
+                pairs.append((module, None))
+            elif (
+                pairs
+                and pairs[-1][1] is None
+                and not any(True for _ in module.parameters())
+                and not isinstance(module, nn.Flatten)
+            ):
+                pairs[-1] = (pairs[-1][0], _FUNCTIONAL.get(type(module), module))
+            else:
+                return None
+        return pairs
+
+    @classmethod
+    def from_module(cls, seq: nn.Module, mirror: Callable[[th.Tensor], th.Tensor]) -> LeanMlp:
+        """
+        :param seq: a module :meth:`parse` accepts
+        :param mirror: maps each source parameter to its plain-tensor copy (e.g. from a :class:`ParameterMirror`)
+        """
+        pairs = cls.parse(seq)
+        if pairs is None:
+            raise ValueError(f"not a plain MLP: {seq}")
+        return cls([(mirror(lin.weight), None if lin.bias is None else mirror(lin.bias), act) for lin, act in pairs])
+
+    def __call__(self, x: th.Tensor) -> th.Tensor:
+        for weight_t, bias, act in self._layers_t:
+            x = x @ weight_t if bias is None else th.addmm(bias, x, weight_t)
+            if act is not None:
+                x = act(x)
+        return x
+
+
+def box_env_actions(policy: BasePolicy, action_space: spaces.Space) -> Callable[[np.ndarray], np.ndarray]:
+    """
+    :return: the map from sampled actions to the actions given to the env: SB3's clipping to the ``Box`` bounds,
+        or unscaling when the policy squashes its output; identity for other spaces
+    """
+    if not isinstance(action_space, spaces.Box):
+        return lambda actions: actions
+    if policy.squash_output:
+        return policy.unscale_action
+    low, high = action_space.low, action_space.high
+    return lambda actions: np.clip(actions, low, high)
+
+
+class LeanActorCritic:
+    """
+    Frozen plain-tensor copy of an MLP ``ActorCriticPolicy`` (flat ``Box`` observations, no gSDE) for collection.
+
+    :param policy: the policy (check :func:`sb3_speedups.common.nn.training.mlp_unsupported_reason` first)
+    :param head: its action head (:func:`sb3_speedups.common.nn.heads.make_head`)
+    :param device: where the copy lives and acts
+    """
+
+    def __init__(self, policy: ActorCriticPolicy, head: ActionHead, device: th.device | str = "cpu") -> None:
+        self.source, self.head, self.device = policy, head, th.device(device)
+        pi, vf = LeanMlp.parse(policy.mlp_extractor.policy_net), LeanMlp.parse(policy.mlp_extractor.value_net)
+        if pi is None or vf is None:
+            raise ValueError("the policy's mlp_extractor is not a plain MLP")
+        # Equally shaped policy and value networks run as one batched product per layer; the copies are laid out
+        # as ActorCriticMlp's flat buffer (each policy layer next to its value twin), so that a sync is one copy.
+        self.stacked = (
+            bool(pi)
+            and len(pi) == len(vf)
+            and stackable([p for p, _ in pi], [v for v, _ in vf])
+            and all(pa is va for (_, pa), (_, va) in zip(pi, vf, strict=True))
+        )
+        order = flat_layout(policy)
+        self.mirror = ParameterMirror(order, self.device, keep_order=True)
+        lookup = {id(t): c for t, c in zip(order, self.mirror.copies, strict=True)}
+
+        def mirrored(t: th.Tensor) -> th.Tensor:
+            return lookup[id(t)]
+
+        def pair(a: th.Tensor, b: th.Tensor) -> th.Tensor:
+            first = mirrored(a)
+            return self.mirror.flat[first.storage_offset() : first.storage_offset() + 2 * a.numel()].view(2, *a.shape)
+
+        # (transposed weights [2, in, out], biases [2, 1, out], activation), views of the mirror
+        self.layers = (
+            [
+                (pair(p.weight, v.weight).transpose(1, 2), pair(p.bias, v.bias).unsqueeze(1), act)  # type: ignore[arg-type]
+                for (p, act), (v, _) in zip(pi, vf, strict=True)
+            ]
+            if self.stacked
+            else []
+        )
+        self.pi = LeanMlp.from_module(policy.mlp_extractor.policy_net, mirrored)
+        self.vf = LeanMlp.from_module(policy.mlp_extractor.value_net, mirrored)
+        self.action_net = LeanMlp.from_module(policy.action_net, mirrored)
+        self.value_net = LeanMlp.from_module(policy.value_net, mirrored)
+        log_std = getattr(policy, "log_std", None)
+        self.log_std = None if log_std is None else mirrored(log_std)
+        self.env_actions = box_env_actions(policy, policy.action_space)
+        self._numpy = NumpyActorCritic.build(self) if self.device.type == "cpu" else None
+
+    def _latents(self, x: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
+        if not self.stacked:
+            return self.pi(x), self.vf(x)
+        h = x.expand(2, *x.shape)
+        for weight_t, bias, act in self.layers:
+            h = th.baddbmm(bias, h, weight_t)
+            if act is not None:
+                h = act(h)
+        return h[0], h[1]
+
+    def sync(self) -> None:
+        """Refresh the copy from the policy (once per rollout)."""
+        self.mirror.sync()
+
+    def _features(self, obs: np.ndarray) -> th.Tensor:
+        x = th.as_tensor(obs, device=self.device).float()
+        return x if x.dim() == 2 else x.view(x.shape[0], -1)
+
+    def act(self, obs: np.ndarray) -> tuple[np.ndarray, th.Tensor, th.Tensor]:
+        """
+        :return: sampled actions, values ``[n, 1]`` and log-probabilities ``[n]`` for a batch of observations (the
+            copy's tensors never require gradients, so no autograd state is recorded without any grad-mode context)
+        """
+        if self._numpy is not None and isinstance(obs, np.ndarray) and self._numpy.accepts(obs.shape[0]):
+            out, np_values = self._numpy.forward(obs)
+            np_actions, log_prob = self.head.sample_numpy(out, self.log_std)
+            return np_actions, th.from_numpy(np_values), log_prob
+        latent_pi, latent_vf = self._latents(self._features(obs))
+        values = self.value_net(latent_vf)
+        actions, log_prob = self.head.sample(self.action_net(latent_pi), self.log_std)
+        return (actions if actions.device.type == "cpu" else actions.cpu()).numpy(), values, log_prob
+
+    def predict_values(self, obs: np.ndarray) -> th.Tensor:
+        """:return: values ``[n]`` of a batch of observations"""
+        if self._numpy is not None and isinstance(obs, np.ndarray) and self._numpy.accepts(obs.shape[0]):
+            return th.from_numpy(self._numpy.forward(obs)[1]).view(-1)
+        return self.value_net(self._latents(self._features(obs))[1]).view(-1)
+
+    def reset_noise(self, n_envs: int) -> None:
+        raise RuntimeError("gSDE policies use ModuleActorCritic")
+
+
+def _plain_forward(policy: nn.Module) -> bool:
+    """:return: whether the policy computes its forward as stock ``ActorCriticPolicy`` does"""
+    cls = type(policy)
+    return isinstance(policy, ActorCriticPolicy) and all(
+        getattr(cls, name) is getattr(ActorCriticPolicy, name) for name in ("forward", "_get_action_dist_from_latent")
+    )
+
+
+def policy_latents(policy: ActorCriticPolicy, obs: Any) -> tuple[th.Tensor, th.Tensor]:
+    """
+    The actor's and the critic's latents, as ``ActorCriticPolicy.forward`` computes them.
+
+    :param policy: the policy
+    :param obs: observations as tensors
+    :return: ``(latent_pi, latent_vf)``
+    """
+    features = policy.extract_features(obs)
+    if policy.share_features_extractor:
+        return policy.mlp_extractor(features)
+    return policy.mlp_extractor.forward_actor(features[0]), policy.mlp_extractor.forward_critic(features[1])
+
+
+def lean_head(policy: nn.Module) -> ActionHead | None:
+    """:return: the action head to use instead of the policy's distribution objects, or ``None`` to call the policy"""
+    if not _plain_forward(policy) or getattr(policy, "use_sde", False):
+        return None
+    assert isinstance(policy, ActorCriticPolicy)
+    return make_head(policy.action_dist, policy.action_space)
+
+
+def _non_leaf_tensors(obj: Any, found: dict[int, th.Tensor], seen: set[int], depth: int = 0) -> None:
+    """Collect tensors that autograd produced (``deepcopy`` refuses them) held by ``obj``'s attributes, recursively."""
+    if id(obj) in seen or depth > 8:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, th.Tensor):
+        if obj.grad_fn is not None:
+            found[id(obj)] = obj
+        return
+    if isinstance(obj, dict):
+        values: Any = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        values = obj
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        values = vars(obj).values()
+    else:
+        return
+    for value in values:
+        _non_leaf_tensors(value, found, seen, depth + 1)
+
+
+def copy_policy(policy: BasePolicy, device: th.device | str) -> BasePolicy:
+    """
+    :return: a deep copy of ``policy`` on ``device``, without its optimizer (nothing drawn from the RNG); tensors
+        that autograd produced (gSDE's exploration matrix) are copied detached
+    """
+    found: dict[int, th.Tensor] = {}
+    _non_leaf_tensors(policy, found, set())
+    memo: dict[int, Any] = {key: tensor.detach().clone() for key, tensor in found.items()}
+    optimizer = policy.__dict__.pop("optimizer", None)
+    try:
+        clone = copy.deepcopy(policy, memo)
+    finally:
+        if optimizer is not None:
+            policy.optimizer = optimizer
+    return clone.to(device)
+
+
+def _rebind(module: nn.Module, tensors: list[th.Tensor]) -> None:
+    """Make ``module``'s parameters, then its buffers, use ``tensors`` (in ``parameters()``, ``buffers()`` order)."""
+    params = list(module.parameters())
+    for p, t in zip(params, tensors, strict=False):
+        p.data = t
+    buffers = tensors[len(params) :]
+    owners = [(owner, name) for owner in module.modules() for name, b in owner.named_buffers(recurse=False) if b is not None]
+    for (owner, name), t in zip(owners, buffers, strict=True):
+        owner._buffers[name] = t
+
+
+class ModuleActorCritic:
+    """
+    The actor for any ``ActorCriticPolicy``: calls the policy itself, or a copy of it on ``device`` when the policy
+    lives elsewhere (a GPU) or ``copy=True``. Standard action distributions are sampled with the lean heads.
+
+    :param policy: the training policy
+    :param device: where to act
+    :param copy: act from a copy even when ``device`` is the policy's own
+    """
+
+    def __init__(self, policy: ActorCriticPolicy, device: th.device | str = "cpu", copy: bool = False) -> None:
+        self.source, self.device = policy, th.device(device)
+        same = th.device(policy.device) == self.device
+        self.policy: Any = policy if same and not copy else copy_policy(policy, self.device)
+        self.mirror: ParameterMirror | None = None
+        if self.policy is not policy:
+            self.mirror = ParameterMirror([*policy.parameters(), *policy.buffers()], self.device)
+            _rebind(self.policy, self.mirror.copies)
+        self.head = lean_head(policy)
+        self.env_actions = box_env_actions(policy, policy.action_space)
+
+    def sync(self) -> None:
+        """Refresh the copy (if any) from the training policy (once per rollout)."""
+        if self.mirror is not None:
+            self.mirror.sync()
+
+    @th.inference_mode()
+    def act(self, obs: np.ndarray | dict[str, np.ndarray]) -> tuple[np.ndarray, th.Tensor, th.Tensor]:
+        """:return: sampled actions, values ``[n, 1]`` and log-probabilities ``[n]`` for a batch of observations"""
+        obs_tensor = obs_as_tensor(obs, self.device)
+        policy = self.policy
+        if self.head is None:
+            actions, values, log_prob = policy(obs_tensor)
+            return actions.cpu().numpy(), values, log_prob
+        latent_pi, latent_vf = policy_latents(policy, obs_tensor)
+        values = policy.value_net(latent_vf)
+        actions, log_prob = self.head.sample(policy.action_net(latent_pi), getattr(policy, "log_std", None))
+        return actions.cpu().numpy(), values, log_prob
+
+    @th.inference_mode()
+    def predict_values(self, obs: np.ndarray | dict[str, np.ndarray]) -> th.Tensor:
+        """:return: values ``[n]`` of a batch of observations"""
+        return self.policy.predict_values(obs_as_tensor(obs, self.device)).view(-1)
+
+    def reset_noise(self, n_envs: int) -> None:
+        """Draw new gSDE exploration noise (as stock SB3 does on the training policy)."""
+        self.policy.reset_noise(n_envs)

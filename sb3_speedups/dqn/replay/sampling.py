@@ -1,0 +1,149 @@
+"""
+All the minibatches of one off-policy ``train()`` call, sampled at once.
+
+Stock SB3 samples one minibatch per gradient step: two ``np.random.randint`` draws, five fancy-indexing gathers and
+five ``th.tensor`` copies each time. The buffer's contents do not change inside ``train()``, so the same draws (in
+the same order, from the same global numpy RNG: the minibatches are identical to stock's) can be made first and
+the data gathered and converted once for all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import numpy as np
+import torch as th
+from stable_baselines3.common.buffers import NStepReplayBuffer, ReplayBuffer
+from stable_baselines3.common.type_aliases import ReplayBufferSamples
+from stable_baselines3.common.vec_env import VecNormalize
+
+# Above this many bytes of observations per train() call, the minibatches are gathered in several chunks.
+CHUNK_BYTES = 64 * 2**20
+
+
+class IndexDraw(NamedTuple):
+    """Positions and env columns of sampled transitions (flattened over the minibatches)."""
+
+    batch_inds: np.ndarray
+    env_inds: np.ndarray
+
+
+def batched_sampling_supported(buffer: object) -> bool:
+    """
+    :param buffer: the replay buffer
+    :return: whether :func:`draw_indices` reproduces its ``sample`` (stock ``ReplayBuffer``); other buffers in
+        :func:`sample_minibatches` are sampled with their own ``sample`` per minibatch
+    """
+    return type(buffer) is ReplayBuffer
+
+
+def draw_indices(buffer: ReplayBuffer, batch_size: int, n_batches: int) -> IndexDraw:
+    """
+    Draw the indices of ``n_batches`` minibatches exactly as ``n_batches`` calls of ``ReplayBuffer.sample`` would.
+
+    :param buffer: a stock ``ReplayBuffer`` (see :func:`batched_sampling_supported`)
+    :param batch_size: transitions per minibatch
+    :param n_batches: number of minibatches
+    :return: ``n_batches * batch_size`` positions and env columns, minibatch after minibatch
+    """
+    batch_inds = np.empty((n_batches, batch_size), dtype=np.int64)
+    env_inds = np.empty((n_batches, batch_size), dtype=np.int64)
+    for i in range(n_batches):
+        if not buffer.optimize_memory_usage:
+            batch_inds[i] = np.random.randint(0, buffer.buffer_size if buffer.full else buffer.pos, size=batch_size)
+        elif buffer.full:
+            batch_inds[i] = (np.random.randint(1, buffer.buffer_size, size=batch_size) + buffer.pos) % buffer.buffer_size
+        else:
+            batch_inds[i] = np.random.randint(0, buffer.pos, size=batch_size)
+        env_inds[i] = np.random.randint(0, high=buffer.n_envs, size=(batch_size,))
+    return IndexDraw(batch_inds.reshape(-1), env_inds.reshape(-1))
+
+
+def newest_indices(buffer: ReplayBuffer) -> IndexDraw:
+    """:return: where the last ``add`` wrote (one transition per env)"""
+    if buffer.pos == 0 and not buffer.full:
+        raise ValueError("the replay buffer is empty")
+    pos = (buffer.pos - 1) % buffer.buffer_size
+    return IndexDraw(np.full(buffer.n_envs, pos, dtype=np.int64), np.arange(buffer.n_envs, dtype=np.int64))
+
+
+def gather(buffer: ReplayBuffer, draw: IndexDraw, env: VecNormalize | None = None) -> ReplayBufferSamples:
+    """
+    The transitions at ``draw``, as ``ReplayBuffer._get_samples`` builds them (one conversion for all of them).
+
+    :param buffer: a stock ``ReplayBuffer``
+    :param draw: positions and env columns
+    :param env: the ``VecNormalize`` wrapper to normalise with, if any
+    """
+    b, e = draw
+    if buffer.optimize_memory_usage:
+        next_obs = buffer.observations[(b + 1) % buffer.buffer_size, e]
+    else:
+        next_obs = buffer.next_observations[b, e]
+    data = (
+        buffer._normalize_obs(buffer.observations[b, e], env),
+        buffer.actions[b, e],
+        buffer._normalize_obs(next_obs, env),
+        (buffer.dones[b, e] * (1 - buffer.timeouts[b, e])).reshape(-1, 1),
+        buffer._normalize_reward(buffer.rewards[b, e].reshape(-1, 1), env),
+    )
+    return ReplayBufferSamples(*(buffer.to_torch(x) for x in data))  # type: ignore[arg-type]
+
+
+def _concat(samples: list[ReplayBufferSamples]) -> ReplayBufferSamples:
+    fields = []
+    for values in zip(*samples, strict=True):
+        fields.append(None if values[0] is None else th.cat(values))
+    return ReplayBufferSamples(*fields)  # type: ignore[arg-type]
+
+
+def sample_minibatches(
+    buffer: ReplayBuffer,
+    batch_size: int,
+    n_batches: int,
+    env: VecNormalize | None = None,
+    combined: bool = False,
+) -> ReplayBufferSamples:
+    """
+    ``n_batches`` minibatches, concatenated, equal to what ``n_batches`` calls of ``buffer.sample`` return.
+
+    :param buffer: a stock ``ReplayBuffer`` (one index draw, one gather) or ``NStepReplayBuffer`` (its own
+        ``sample`` per minibatch: its n-step sums are not vectorised here)
+    :param batch_size: transitions per minibatch
+    :param n_batches: number of minibatches
+    :param env: the ``VecNormalize`` wrapper, if any
+    :param combined: combined experience replay (Zhang & Sutton 2017): the first ``n_envs`` rows of every
+        minibatch are the newest transitions (one per env); needs a stock ``ReplayBuffer``
+    :return: ``ReplayBufferSamples`` with ``n_batches * batch_size`` rows
+    """
+    if batched_sampling_supported(buffer):
+        draw = draw_indices(buffer, batch_size, n_batches)
+        if combined:
+            newest = newest_indices(buffer)
+            rows = min(len(newest.batch_inds), batch_size)
+            for arr, new in zip(draw, newest, strict=True):
+                arr.reshape(n_batches, batch_size)[:, :rows] = new[:rows]
+        return gather(buffer, draw, env)
+    if combined:
+        raise ValueError(f"combined replay needs a stock ReplayBuffer, not {type(buffer).__name__}")
+    return _concat([buffer.sample(batch_size, env=env) for _ in range(n_batches)])
+
+
+def batchable(buffer: object) -> bool:
+    """:return: whether :func:`sample_minibatches` can sample ahead for this buffer (its draws ignore the network)"""
+    return type(buffer) in (ReplayBuffer, NStepReplayBuffer)
+
+
+def chunk_sizes(n_batches: int, batch_size: int, buffer: ReplayBuffer) -> Iterator[int]:
+    """
+    :return: how many minibatches to sample at a time so that one chunk of observations and next observations
+        stays under :data:`CHUNK_BYTES`
+    """
+    row_bytes = 2 * buffer.observations[0, 0].nbytes
+    per_chunk = max(1, min(n_batches, CHUNK_BYTES // max(1, row_bytes * batch_size)))
+    done = 0
+    while done < n_batches:
+        step = min(per_chunk, n_batches - done)
+        yield step
+        done += step

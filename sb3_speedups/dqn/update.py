@@ -1,0 +1,166 @@
+"""
+One DQN gradient step (Huber loss on Q(s, a) against a given target, gradient clipping, Adam), two ways:
+
+- :class:`ManualQUpdate`: for an MLP ``QNetwork`` (flat ``Box`` observations, ``Linear`` layers with ReLU or Tanh,
+  stock Adam): hand-derived forward and backward into preallocated buffers, flat parameters and one fused Adam
+  kernel (:mod:`sb3_speedups.common.nn.optim`), clipping without a host sync;
+- :class:`AutogradQUpdate`: any other Q-network (dueling heads, CNN, ``Dict`` observations, custom optimizer),
+  with autograd and the policy's own optimizer, as stock SB3 does.
+
+Both return the TD errors ``Q(s, a) - target`` (for prioritised replay, and for the logged loss: :func:`huber_`
+of all of one ``train()`` call's errors at once, with no ``.item()`` per step). ``weights`` are importance-sampling
+weights (``None``: all 1, stock's loss).
+"""
+
+from __future__ import annotations
+
+import torch as th
+import torch.nn.functional as F
+from gymnasium import spaces
+from stable_baselines3.common.preprocessing import is_image_space
+from stable_baselines3.common.torch_layers import FlattenExtractor
+from stable_baselines3.dqn.policies import DQNPolicy, QNetwork
+from torch import nn
+
+from sb3_speedups.common.nn.training import MlpChain, linear_layers
+from sb3_speedups.common.nn.optim import FlatAdam, FlatParameters, adam_unsupported_reason
+
+
+def q_mlp_unsupported_reason(policy: DQNPolicy) -> str | None:
+    """
+    :param policy: the DQN policy
+    :return: why :class:`ManualQUpdate` cannot run it, or ``None`` when it can
+    """
+    q_net = policy.q_net
+    if type(q_net) is not QNetwork:
+        return f"Q-network class {type(q_net).__name__} is not the stock QNetwork"
+    space = policy.observation_space
+    if not isinstance(space, spaces.Box) or is_image_space(space):
+        return f"observation space {type(space).__name__} is not a flat Box"
+    if not isinstance(q_net.features_extractor, FlattenExtractor):
+        return "features extractor is not FlattenExtractor"
+    modules = list(q_net.q_net.children())
+    if not modules or type(modules[-1]) is not nn.Linear or linear_layers(nn.Sequential(*modules[:-1])) is None:
+        return "q_net is not Linear layers with a Tanh or ReLU activation"
+    if any(m.bias is None for m in modules if isinstance(m, nn.Linear)):
+        return "a Linear layer has no bias"
+    if any(p.dtype != th.float32 for p in q_net.parameters()):
+        return "parameters are not float32"
+    return adam_unsupported_reason(policy.optimizer, list(q_net.parameters()))
+
+
+def huber_(d: th.Tensor, weights: th.Tensor | None) -> th.Tensor:
+    """:return: the mean (weighted) smooth-L1 loss of TD errors ``d`` (``F.smooth_l1_loss`` with ``beta=1``)"""
+    if weights is None:
+        return F.smooth_l1_loss(d, th.zeros_like(d))
+    return (F.smooth_l1_loss(d, th.zeros_like(d), reduction="none") * weights).mean()
+
+
+class ManualQUpdate:
+    """
+    Hand-derived DQN update of an MLP ``QNetwork`` (check :func:`q_mlp_unsupported_reason` first).
+
+    :param policy: the DQN policy; its Q-network's parameters move into one flat buffer and its Adam runs fused
+    """
+
+    def __init__(self, policy: DQNPolicy) -> None:
+        reason = q_mlp_unsupported_reason(policy)
+        if reason is not None:
+            raise ValueError(reason)
+        self.policy = policy
+        q_net = policy.q_net
+        modules = list(q_net.q_net.children())
+        parsed = linear_layers(nn.Sequential(*modules[:-1]))
+        assert parsed is not None
+        hidden, kind = parsed
+        self.flat = FlatParameters(list(q_net.parameters()))
+        self.adam = FlatAdam(self.flat, policy.optimizer)
+        self.chain = MlpChain(self.flat, [hidden], kind)
+        out = modules[-1]
+        assert isinstance(out, nn.Linear)
+        self.w_out, self.b_out = self.flat.data_of(out.weight), self.flat.data_of(out.bias)
+        self.gw_out, self.gb_out = self.flat.grad_of(out.weight), self.flat.grad_of(out.bias)
+
+    def is_bound(self) -> bool:
+        """:return: whether parameters and optimizer state still live in the flat buffers"""
+        return self.flat.is_bound() and self.adam.is_bound()
+
+    def q_values(self, obs: th.Tensor) -> th.Tensor:
+        """:return: ``Q(obs, .)`` ``[n, n_actions]`` (overwrites the forward workspace for ``n`` rows)"""
+        h = self.chain.forward(obs.reshape(obs.shape[0], -1).float())[0]
+        return th.addmm(self.b_out, h, self.w_out.t())
+
+    def step(
+        self,
+        obs: th.Tensor,
+        actions: th.Tensor,
+        target: th.Tensor,
+        weights: th.Tensor | None,
+        max_grad_norm: float,
+    ) -> th.Tensor:
+        """
+        One gradient step on ``mean(w * huber(Q(obs, actions) - target))``.
+
+        :param obs: observations ``[b, ...]``
+        :param actions: actions ``[b, 1]`` (any integer or float dtype)
+        :param target: TD targets ``[b, 1]``
+        :param weights: importance-sampling weights ``[b, 1]``, or ``None``
+        :param max_grad_norm: gradient clipping threshold
+        :return: the TD errors ``[b, 1]``
+        """
+        b = obs.shape[0]
+        h = self.chain.forward(obs.reshape(b, -1).float())
+        h2 = h[0]
+        q = th.addmm(self.b_out, h2, self.w_out.t())
+        index = actions.long()
+        d = q.gather(1, index).sub_(target)
+        # d(huber)/d(d) = clamp(d, -1, 1); the mean divides by b.
+        grad = d.clamp(-1.0, 1.0)
+        if weights is not None:
+            grad.mul_(weights)
+        grad.div_(b)
+        d_q = th.zeros_like(q).scatter_(1, index, grad)
+        th.mm(d_q.t(), h2, out=self.gw_out)
+        th.sum(d_q, 0, out=self.gb_out)
+        if self.chain.weights:
+            self.chain.backward(th.mm(d_q, self.w_out).unsqueeze(0))
+        self.adam.step(self.flat.clip_divisor(max_grad_norm))
+        return d
+
+
+class AutogradQUpdate:
+    """
+    The stock DQN update step with autograd, for any Q-network.
+
+    :param policy: the DQN policy (its ``q_net`` and ``optimizer`` are used as they are)
+    """
+
+    def __init__(self, policy: DQNPolicy) -> None:
+        self.policy = policy
+
+    def is_bound(self) -> bool:
+        """:return: always ``True`` (nothing is rebound)"""
+        return True
+
+    @th.no_grad()
+    def q_values(self, obs: th.Tensor) -> th.Tensor:
+        """:return: ``Q(obs, .)`` without gradients"""
+        return self.policy.q_net(obs)
+
+    def step(
+        self,
+        obs: th.Tensor,
+        actions: th.Tensor,
+        target: th.Tensor,
+        weights: th.Tensor | None,
+        max_grad_norm: float,
+    ) -> th.Tensor:
+        """Same contract as :meth:`ManualQUpdate.step`."""
+        q = th.gather(self.policy.q_net(obs), dim=1, index=actions.long())
+        loss = F.smooth_l1_loss(q, target) if weights is None else huber_(q - target, weights)
+        optimizer = self.policy.optimizer
+        optimizer.zero_grad()
+        loss.backward()
+        th.nn.utils.clip_grad_norm_(self.policy.parameters(), max_grad_norm)
+        optimizer.step()
+        return (q - target).detach()
