@@ -17,7 +17,7 @@ import torch as th
 from stable_baselines3.common.env_util import make_vec_env
 
 from sb3_speedups import PPO
-from sb3_speedups.common import split_update
+from sb3_speedups.ppo import split_update
 from sb3_speedups.common.nn.heads import make_head
 from sb3_speedups.ppo.minibatches import MinibatchSampler
 from sb3_speedups.ppo.update import STATS, VALUE_LOSS, ManualPPOUpdate, PPOLossConfig
