@@ -10,6 +10,7 @@ One DQN gradient step (Huber loss on Q(s, a) against a given target, gradient cl
 Both return the TD errors ``Q(s, a) - target`` (for prioritised replay, and for the logged loss: :func:`huber_`
 of all of one ``train()`` call's errors at once, with no ``.item()`` per step). ``weights`` are importance-sampling
 weights (``None``: all 1, stock's loss).
+The loss, its gradient and the tests that check them: see docs/maths.md, "DQN Huber TD loss".
 """
 
 from __future__ import annotations

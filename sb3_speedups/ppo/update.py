@@ -8,6 +8,7 @@ One PPO minibatch update, two ways with one interface (``forward`` -> ``backward
 
 Both compute exactly SB3's loss: clipped surrogate, optionally clipped value loss, entropy bonus. ``forward`` writes
 the minibatch's statistics (:data:`STATS`, means over the minibatch) into a row of a tensor without a host sync.
+The loss, its gradients and the tests that check them: see docs/maths.md, "PPO loss".
 """
 
 from __future__ import annotations
