@@ -10,7 +10,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from sb3_speedups.errors import UserError
+from sb3_speedups.errors import UserValueError
 
 
 def import_object(path: str) -> Any:
@@ -91,5 +91,5 @@ def get_algo(name: str) -> AlgoSpec:
     """
     spec = ALGOS.get(name.lower())
     if spec is None:
-        raise UserError(f"unknown algorithm {name!r}; choose one of: {', '.join(ALGOS)}")
+        raise UserValueError(f"unknown algorithm {name!r}; choose one of: {', '.join(ALGOS)}")
     return spec
