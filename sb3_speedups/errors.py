@@ -1,4 +1,9 @@
-"""The one exception type that the command line turns into a clean one-line error."""
+"""
+The exception types that the command line turns into a clean one-line error.
+
+Where stock SB3 (or Python) raises ``ValueError`` or ``TypeError`` for the same bad argument, we raise the typed
+subclass, so that code written against stock SB3 catches ours too.
+"""
 
 
 class UserError(Exception):
@@ -10,3 +15,11 @@ class UserError(Exception):
     """
 
     exit_code = 2
+
+
+class UserValueError(UserError, ValueError):
+    """A bad argument value, where stock SB3 or Python would raise ``ValueError``."""
+
+
+class UserTypeError(UserError, TypeError):
+    """An argument of the wrong kind (or one that the chosen class does not take), where stock raises ``TypeError``."""

@@ -1,7 +1,7 @@
 """
-The one registry of algorithms: RL-Zoo name -> our class, the stock class, the hyperparameters file and the
-Optuna sampler. Classes are named by import path and imported on first use, so that ``sb3-speedups --help``
-stays fast and an algorithm whose optional dependency is missing only fails when it is asked for.
+The one registry of algorithms: RL-Zoo name -> our class, the stock class and the Optuna sampler. Classes are named
+by import path and imported on first use, so that ``sb3-speedups --help`` stays fast and an algorithm whose optional
+dependency is missing only fails when it is asked for.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from sb3_speedups.errors import UserError
+from sb3_speedups.errors import UserValueError
 
 
 def import_object(path: str) -> Any:
@@ -40,24 +40,12 @@ class AlgoSpec:
     fast: str | None = None
     sampler: str | None = None
 
-    @property
-    def hyperparams_file(self) -> str:
-        """:return: file name of the bundled hyperparameters (``ppo.yml``)"""
-        return f"{self.name}.yml"
-
     def cls(self, stock: bool = False) -> type:
         """
         :param stock: force the stock class even where we have a faster one
         :return: the algorithm class
         """
         return import_object(self.stock if stock or self.fast is None else self.fast)
-
-    @property
-    def is_off_policy(self) -> bool:
-        """:return: whether the (stock) class is an off-policy algorithm (replay buffer, ``train_freq``)"""
-        from stable_baselines3.common.off_policy_algorithm import OffPolicyAlgorithm
-
-        return issubclass(import_object(self.stock), OffPolicyAlgorithm)
 
 
 ALGOS: dict[str, AlgoSpec] = {
@@ -91,5 +79,5 @@ def get_algo(name: str) -> AlgoSpec:
     """
     spec = ALGOS.get(name.lower())
     if spec is None:
-        raise UserError(f"unknown algorithm {name!r}; choose one of: {', '.join(ALGOS)}")
+        raise UserValueError(f"unknown algorithm {name!r}; choose one of: {', '.join(ALGOS)}")
     return spec

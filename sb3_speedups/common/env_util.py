@@ -12,7 +12,7 @@ from stable_baselines3.common.vec_env import SubprocVecEnv, VecEnv, VecMonitor
 
 from sb3_speedups.common.vec_env.adapters import VectorAdapter
 from sb3_speedups.common.vec_env.batched_subproc import BatchedSubprocVecEnv
-from sb3_speedups.errors import UserError
+from sb3_speedups.errors import UserTypeError, UserValueError
 
 
 def make_vec_env(
@@ -43,11 +43,11 @@ def make_vec_env(
     vec_env_kwargs = dict(vec_env_kwargs or {})
     if n_workers is not None:
         if vec_env_cls is None or not issubclass(vec_env_cls, BatchedSubprocVecEnv):
-            raise UserError("n_workers is an option of BatchedSubprocVecEnv; pass vec_env_cls=BatchedSubprocVecEnv")
+            raise UserTypeError("n_workers is an option of BatchedSubprocVecEnv; pass vec_env_cls=BatchedSubprocVecEnv")
         vec_env_kwargs["n_workers"] = n_workers
     if start_method is not None:
         if vec_env_cls is None or not issubclass(vec_env_cls, (BatchedSubprocVecEnv, SubprocVecEnv)):
-            raise UserError("start_method needs vec_env_cls=BatchedSubprocVecEnv or SubprocVecEnv")
+            raise UserTypeError("start_method needs vec_env_cls=BatchedSubprocVecEnv or SubprocVecEnv")
         vec_env_kwargs["start_method"] = start_method
     if vec_env_cls is not None and issubclass(vec_env_cls, VectorAdapter):
         return _make_adapter(
@@ -81,9 +81,9 @@ def _make_adapter(
 ) -> VecEnv:
     name = adapter_cls.__name__
     if not isinstance(env_id, str):
-        raise UserError(f"{name} builds its envs from an env id; pass env_id as a string, not a callable")
+        raise UserTypeError(f"{name} builds its envs from an env id; pass env_id as a string, not a callable")
     if wrapper_class is not None:
-        raise UserError(f"{name} runs its envs outside Python gym wrappers; drop wrapper_class (use VecEnv wrappers)")
+        raise UserValueError(f"{name} runs its envs outside Python gym wrappers; drop wrapper_class (use VecEnv wrappers)")
     env = adapter_cls.from_env_id(env_id, n_envs, seed=seed, env_kwargs=env_kwargs, **vec_env_kwargs)
     env.seed(seed)
     filename = None

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-Schedule = Callable[[float], float]
-
 
 class LinearSchedule:
     """
@@ -39,15 +35,3 @@ class ConstantSchedule:
 
     def __repr__(self) -> str:
         return str(self.value)
-
-
-def as_schedule(value: float | Schedule) -> Schedule:
-    """
-    Wrap a constant into a schedule; pass schedules through.
-
-    :param value: a float or a callable of ``progress_remaining``
-    :return: a callable of ``progress_remaining``
-    """
-    if callable(value):
-        return value
-    return ConstantSchedule(float(value))

@@ -11,14 +11,12 @@ import torch as th
 # torch's intra-op thread count when the package was imported: a later difference means the user chose one.
 _STARTUP_NUM_THREADS = th.get_num_threads()
 _THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_NUM_THREADS")
-# Measured on 2-core machines (shared/MEASUREMENTS.md): small MLPs are as fast on 1 thread as on 2, and far
-# steadier when anything else runs on the machine.
+# Small MLPs are as fast on 1 thread as on 2, and far steadier when anything else runs on the machine.
 DEFAULT_CPU_THREADS = 1
-# Updates whose largest matrix product has at least this many multiply-adds run faster on 2 threads than on 1
-# (measured here, one DQN gradient step of a 256x256 net plus its share of the target forward: batch 64, 4.2M,
-# 1.2-1.4x; batch 128 1.4x), while PPO's 64x64 nets at batch 256 (1.0M) are slower on 2 (shared/MEASUREMENTS.md).
+# Updates whose largest matrix product has at least this many multiply-adds run faster on 2 threads than on 1 (a DQN
+# step of a 256x256 net does; PPO's 64x64 nets at batch 256 are slower on 2).
 PARALLEL_GEMM_MACS = 2_000_000
-# Thread count for large updates: measured on 2 cores only, so never more than 2.
+# Thread count for large updates: more than 2 was never measured, so never more than 2.
 PARALLEL_UPDATE_THREADS = 2
 # The value this package last set as its default (so that it is not mistaken for the user's choice).
 _package_set: int | None = None
@@ -77,8 +75,8 @@ def update_num_threads(largest_gemm_macs: int, num_threads: int | None, device: 
 @contextmanager
 def num_threads_during(num_threads: int | None) -> Iterator[None]:
     """
-    Run the block with ``num_threads`` torch threads and restore the previous count after it (switching costs
-    ~0.3 us).
+    Run the block with ``num_threads`` torch threads and restore the previous count after it (switching is cheap
+    enough to do around every update).
 
     :param num_threads: thread count, or ``None`` to leave it as it is
     """
@@ -95,8 +93,7 @@ def num_threads_during(num_threads: int | None) -> Iterator[None]:
 
 def forward_in_blocks(net: th.nn.Module, x: th.Tensor, rows: int = 1024) -> th.Tensor:
     """
-    ``net(x)`` computed ``rows`` rows at a time: the activations of thousands of rows spill out of the CPU caches
-    (measured here, 256x256 MLP, 1 thread: 8 blocks of 1,024 rows 14.3 ms, one call on 8,192 rows 18.0 ms).
+    ``net(x)`` computed ``rows`` rows at a time: the activations of thousands of rows spill out of the CPU caches.
 
     :param net: a row-wise network (each output row depends only on its input row)
     :param x: the input batch

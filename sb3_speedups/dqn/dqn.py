@@ -47,7 +47,7 @@ from sb3_speedups.common.torch_utils import (
     update_num_threads,
 )
 from sb3_speedups.dqn.policies import DUELING_POLICIES
-from sb3_speedups.errors import UserError
+from sb3_speedups.errors import UserValueError
 
 SelfDQN = TypeVar("SelfDQN", bound="DQN")
 
@@ -105,7 +105,7 @@ class DQN(stable_baselines3.DQN):
         if dueling:
             if isinstance(policy, str):
                 if policy not in DUELING_POLICIES:
-                    raise UserError(
+                    raise UserValueError(
                         f"dueling=True is not available for policy {policy!r}: use one of {list(DUELING_POLICIES)}"
                     )
                 policy = DUELING_POLICIES[policy]
@@ -125,7 +125,7 @@ class DQN(stable_baselines3.DQN):
                 policy, env, policy_kwargs=policy_kwargs or None, n_steps=n_steps, _init_setup_model=False, **kwargs
             )
         if not 0.0 <= per_final_beta <= 1.0:
-            raise UserError(f"per_final_beta={per_final_beta} is invalid: use a value in [0, 1]")
+            raise UserValueError(f"per_final_beta={per_final_beta} is invalid: use a value in [0, 1]")
         self.double_q = double_q
         self.combined_replay = combined_replay
         self.per_final_beta = per_final_beta
@@ -150,7 +150,7 @@ class DQN(stable_baselines3.DQN):
             and not _is_prioritized(self.replay_buffer)
             and not batched_sampling_supported(self.replay_buffer)
         ):
-            raise UserError(
+            raise UserValueError(
                 f"combined_replay=True needs the stock ReplayBuffer, not {type(self.replay_buffer).__name__}: "
                 "drop replay_buffer_class or combined_replay"
             )

@@ -51,7 +51,7 @@ from sb3_speedups.ppo.update import (
 )
 from sb3_speedups.ppo.split_update import SplitPPOUpdate, deferred_sigint, split_unsupported_reason
 from sb3_speedups.common.torch_utils import apply_num_threads
-from sb3_speedups.errors import UserError
+from sb3_speedups.errors import UserValueError
 
 SelfPPO = TypeVar("SelfPPO", bound="PPO")
 
@@ -119,9 +119,11 @@ class PPO(stable_baselines3.PPO):
         **kwargs: Any,
     ) -> None:
         if normalize_advantage not in _NORMALIZATION:
-            raise UserError(f"normalize_advantage={normalize_advantage!r} is invalid: use True, False, 'minibatch' or 'batch'")
+            raise UserValueError(
+                f"normalize_advantage={normalize_advantage!r} is invalid: use True, False, 'minibatch' or 'batch'"
+            )
         if split_update not in (True, False, "auto"):
-            raise UserError(f"split_update={split_update!r} is invalid: use True, False or 'auto'")
+            raise UserValueError(f"split_update={split_update!r} is invalid: use True, False or 'auto'")
         self._gamma_schedule = FloatSchedule(gamma) if callable(gamma) else None
         self._gae_lambda_schedule = FloatSchedule(gae_lambda) if callable(gae_lambda) else None
         super().__init__(
@@ -243,11 +245,13 @@ class PPO(stable_baselines3.PPO):
     ) -> bool:
         if not isinstance(rollout_buffer, PreallocatedRollout):
             if self.double_buffer:
-                raise UserError(f"double_buffer=True needs the default rollout buffer, not {type(rollout_buffer).__name__}")
+                raise UserValueError(
+                    f"double_buffer=True needs the default rollout buffer, not {type(rollout_buffer).__name__}"
+                )
             return super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps)
         reason = double_buffer_unsupported_reason(self, env) if self.double_buffer else None
         if reason is not None:
-            raise UserError(reason)
+            raise UserValueError(reason)
         speed = self._ensure_speedups()
         speed.actor.sync()
         progress = self._current_progress_remaining

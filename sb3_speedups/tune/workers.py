@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import multiprocessing
 import signal
-import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
@@ -246,8 +245,3 @@ def run_worker_processes(n_jobs: int, target: Callable[..., None], args: tuple) 
                 proc.join()
         raise
     return [int(proc.exitcode or 0) for proc in procs]
-
-
-def format_traceback(exc: BaseException) -> str:
-    """:return: the last frames of ``exc``'s traceback, for ``--verbose 2``"""
-    return "".join(traceback.format_exception(exc)[-6:])

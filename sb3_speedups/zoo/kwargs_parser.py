@@ -51,11 +51,6 @@ def _whitelist() -> dict[str, str]:
     return names
 
 
-def allowed_names() -> list[str]:
-    """:return: every dotted name the parser accepts, sorted"""
-    return sorted(_whitelist())
-
-
 def resolve_name(dotted: str) -> Any:
     """
     Resolve a whitelisted name (``nn.ReLU``, ``NatureCNN``) to the object it names.

@@ -20,7 +20,7 @@ from stable_baselines3.common.env_util import is_wrapped
 from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvObs, VecEnvStepReturn
 
 from sb3_speedups.common.vec_env.vector_infos import cartpole_partial_reset, split_infos, take_obs, write_obs
-from sb3_speedups.errors import UserError
+from sb3_speedups.errors import UserError, UserValueError
 
 
 class VectorAdapter(VecEnv):
@@ -77,7 +77,7 @@ class VectorAdapter(VecEnv):
     def _options_for_all(self) -> dict[str, Any] | None:
         first = self._options[0]
         if any(options != first for options in self._options):
-            raise UserError(f"{type(self).__name__} takes one options dict for all envs; call set_options(dict)")
+            raise UserValueError(f"{type(self).__name__} takes one options dict for all envs; call set_options(dict)")
         return first or None
 
     def env_is_wrapped(self, wrapper_class: type[gym.Wrapper], indices: VecEnvIndices = None) -> list[bool]:
@@ -100,7 +100,7 @@ class EnvPoolVecEnv(VectorAdapter):
         except ImportError:
             raise UserError("EnvPool is not installed; pip install 'sb3-speedups[envpool]'") from None
         if env_id not in envpool.list_all_envs():
-            raise UserError(f"EnvPool has no env {env_id!r}; see envpool.list_all_envs()")
+            raise UserValueError(f"EnvPool has no env {env_id!r}; see envpool.list_all_envs()")
         self._envpool, self._env_id, self._kwargs = envpool, env_id, envpool_kwargs
         self._pool_seed = int(np.random.randint(0, 2**31 - 1)) if seed is None else int(seed)
         self._pool = self._make_pool(n_envs, self._pool_seed)
@@ -128,7 +128,7 @@ class EnvPoolVecEnv(VectorAdapter):
 
     def reset(self) -> VecEnvObs:
         if self._options_for_all():
-            raise UserError("EnvPool envs take no reset options")
+            raise UserValueError("EnvPool envs take no reset options")
         seed = self._seeds[0]
         if seed is not None and seed != self._pool_seed:
             # EnvPool seeds env i with seed + i when the pool is made, exactly what VecEnv.seed(seed) asks for.
@@ -175,7 +175,7 @@ class GymVectorVecEnv(VectorAdapter):
         self._mode = AutoresetMode(vector_env.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP))
         self._partial_reset = cartpole_partial_reset if _is_cartpole_vector(vector_env) else None
         if self._mode == AutoresetMode.NEXT_STEP and self._partial_reset is None:
-            raise UserError(
+            raise UserValueError(
                 f"{type(vector_env.unwrapped).__name__} resets envs on the step after they finish, which SB3 cannot use; "
                 "create it with autoreset_mode=AutoresetMode.SAME_STEP (gym.make_vec(..., vectorization_mode='sync', "
                 "vector_kwargs={'autoreset_mode': 'SameStep'}))"
@@ -266,7 +266,9 @@ class GymVectorVecEnv(VectorAdapter):
         elif indices is None:
             setattr(self.vector_env, attr_name, value)
         else:
-            raise UserError(f"{type(self.vector_env).__name__} cannot set an attribute of some envs only; pass indices=None")
+            raise UserValueError(
+                f"{type(self.vector_env).__name__} cannot set an attribute of some envs only; pass indices=None"
+            )
 
     def env_method(self, method_name: str, *method_args, indices: VecEnvIndices = None, **method_kwargs) -> list[Any]:
         envs = self._sub_envs(indices)
@@ -274,7 +276,7 @@ class GymVectorVecEnv(VectorAdapter):
             return [env.get_wrapper_attr(method_name)(*method_args, **method_kwargs) for env in envs]
         if indices is None and self._per_env:
             return list(self.vector_env.call(method_name, *method_args, **method_kwargs))  # type: ignore[attr-defined]
-        raise UserError(f"{type(self.vector_env).__name__} cannot call a method of some envs only; pass indices=None")
+        raise UserValueError(f"{type(self.vector_env).__name__} cannot call a method of some envs only; pass indices=None")
 
     def env_is_wrapped(self, wrapper_class: type[gym.Wrapper], indices: VecEnvIndices = None) -> list[bool]:
         envs = self._sub_envs(indices)

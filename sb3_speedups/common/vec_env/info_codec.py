@@ -6,8 +6,7 @@ Pickling numpy scalars is slow (each goes through ``__reduce__`` with its dtype)
 all plain scalars travels as ``(env index, schema id, plain Python values)``; the schema (keys and exact types) is
 sent once, the first time it appears, and the receiver rebuilds each value with its exact type (``np.float32(x)``
 of ``float(np.float32(...))`` is the same number, and so on). Any other record (an episode end with its terminal
-observation, nested values) is pickled as it is. Measured here, four HalfCheetah infos: pickle 30 us + unpickle
-12 us as they are.
+observation, nested values) is pickled as it is.
 """
 
 from __future__ import annotations

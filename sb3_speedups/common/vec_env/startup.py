@@ -22,10 +22,9 @@ from stable_baselines3.common.vec_env.patch_gym import _patch_env
 from sb3_speedups.common.vec_env.info_codec import InfoDecoder, InfoEncoder
 from sb3_speedups.common.vec_env.worker import burn
 
-# CPU seconds of the bookkeeping around env steps, measured with CPU accounting on a 2-core EPYC (CartPole, all
-# envs in the main process vs all in one worker): per env stepped in the main process; per env stepped in a
-# worker, on the worker's side; per step with workers, on the worker's side (control words, action copy) and on
-# the main process's side (semaphores, payload, infos), plus per env of the workers on the main process's side.
+# CPU seconds of the bookkeeping around env steps, from CPU accounting: per env stepped in the main process; per env
+# stepped in a worker, on the worker's side; per step with workers, on the worker's side (control words, action copy)
+# and on the main process's side (semaphores, payload, infos), plus per env of the workers on the main process's side.
 LOCAL_ENV_OVERHEAD_S = 1.0e-6
 WORKER_ENV_OVERHEAD_S = 2.0e-6
 WORKER_STEP_OVERHEAD_S = 5.0e-6
@@ -156,9 +155,8 @@ def pick_split(split_times: dict[int, float]) -> int:
     """
     :param split_times: mean seconds per step for each number of envs in the main process
     :return: the fewest envs in the main process among the splits within :data:`SPLIT_TIE_FRACTION` of the fastest
-        (the main process also runs the policy and assembles every step's results, so ties go to the workers;
-        measured here, HalfCheetah-v5 8 envs: 4 + 4 ran at 1.68x DummyVecEnv, 5 + 3 at 1.54x, while the rehearsal
-        timed them within a few percent of each other)
+        (the main process also runs the policy and assembles every step's results, which the rehearsal does not
+        time, so ties go to the workers)
     """
     best = min(split_times.values())
     return min(k for k, t in split_times.items() if t <= best * (1 + SPLIT_TIE_FRACTION))

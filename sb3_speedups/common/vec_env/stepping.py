@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from stable_baselines3.common.vec_env.base_vec_env import VecEnvStepReturn
 
-from sb3_speedups.errors import UserError
+from sb3_speedups.errors import UserError, UserValueError
 
 
 class SubsetSteppingMixin:
@@ -67,7 +67,7 @@ class SubsetSteppingMixin:
     def _subset(self, indices: Any) -> tuple[tuple[int, ...], np.ndarray]:
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         if idx.size == 0 or np.any(np.diff(idx) <= 0) or idx[0] < 0 or idx[-1] >= self.num_envs:
-            raise UserError(f"indices must be sorted, unique env indices in [0, {self.num_envs}), got {indices!r}")
+            raise UserValueError(f"indices must be sorted, unique env indices in [0, {self.num_envs}), got {indices!r}")
         return tuple(idx.tolist()), idx
 
     def step_async_indices(self, actions: Any, indices: Any) -> None:
@@ -82,7 +82,7 @@ class SubsetSteppingMixin:
         if self.waiting:
             raise UserError("step_async_indices called while step_async is pending; call step_wait first")
         if len(actions) != len(idx):
-            raise UserError(f"got {len(actions)} actions for {len(idx)} envs")
+            raise UserValueError(f"got {len(actions)} actions for {len(idx)} envs")
         busy = {i for pending_idx, _, _ in self._pending_subsets.values() for i in pending_idx.tolist()}
         workers = [w for w in self._pool.workers if np.any((idx >= w.first) & (idx < w.stop))]
         if busy.intersection(key) or any(w.pending for w in workers):
