@@ -176,6 +176,7 @@ RECURRENT_CASE = dict(
     buffer_atol=1e-4,
     param_atol=1e-4,
     param_rtol=1e-3,
+    # sb3-contrib's loop offers these to callbacks, our lean recurrent collection does not
     callback_gaps=frozenset({"episode_starts", "clipped_actions"}),
 )
 LINUX_ONLY = (pytest.mark.skipif(not sys.platform.startswith("linux"), reason="split updates need Linux's fork()"),)

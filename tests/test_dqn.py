@@ -86,10 +86,13 @@ def test_combined_replay_always_holds_the_newest_transitions():
     assert buffer.full and draw.batch_inds.tolist() == [(11 - 1) % buffer.buffer_size] * 2
 
 
-def test_combined_replay_trains_and_refuses_other_buffers():
+def test_combined_replay_trains():
     model = DQN("MlpPolicy", "CartPole-v1", combined_replay=True, seed=0, **SMALL)
     model.learn(400)
     assert model._n_updates > 0
+
+
+def test_combined_replay_refuses_n_step_buffers():
     with pytest.raises(UserError, match="combined_replay"):
         DQN("MlpPolicy", "CartPole-v1", combined_replay=True, n_steps=3, **SMALL)
 
@@ -146,21 +149,27 @@ def test_multi_env_actions_are_one_batched_greedy_call():
     assert actions.shape == (4,) and buffer_actions is actions
 
 
-def test_fallbacks_still_train():
+def test_dict_observations_train_with_the_autograd_update():
     dict_model = DQN("MultiInputPolicy", SimpleMultiObsEnv(random_start=False), seed=0, **{**SMALL, "learning_starts": 50})
     dict_model.learn(200)
     assert isinstance(dict_model._speedups.updater, AutogradQUpdate) and dict_model._n_updates > 0
+
+
+def test_vecnormalize_env_trains():
     env = VecNormalize(make_vec_env("CartPole-v1", n_envs=2, seed=0))
     norm_model = DQN("MlpPolicy", env, seed=0, **SMALL)
     norm_model.learn(400)
     assert norm_model._n_updates > 0
 
 
-def test_bad_options_and_cli_registry():
+def test_bad_options_are_refused():
     with pytest.raises(UserError, match="per_final_beta"):
         DQN("MlpPolicy", "CartPole-v1", per_final_beta=2.0)
     with pytest.raises(UserError, match="dueling"):
         DQN("NoSuchPolicy", "CartPole-v1", policy_kwargs=dict(dueling=True))
+
+
+def test_cli_registry_uses_ours():
     assert get_algo("dqn").cls() is DQN
 
 

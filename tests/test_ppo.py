@@ -197,7 +197,7 @@ def test_recompute_advantages_after_the_first_epoch(recompute):
     assert changed == recompute
 
 
-def test_batch_normalisation_target_kl_and_bad_input():
+def test_batch_normalisation_with_target_kl():
     model = PPO(
         "MlpPolicy",
         box_env("discrete"),
@@ -210,6 +210,9 @@ def test_batch_normalisation_target_kl_and_bad_input():
     )
     model.learn(64)
     assert model._n_updates == 1  # each train() stops in its first epoch
+
+
+def test_unknown_normalize_advantage_is_refused():
     with pytest.raises(UserError, match="normalize_advantage"):
         PPO("MlpPolicy", box_env("discrete"), normalize_advantage="per-sample")
 
