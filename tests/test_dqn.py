@@ -1,4 +1,4 @@
-"""Our DQN against stock SB3's: same first updates, interchangeable saves, the replay options, the fallbacks."""
+"""Our DQN: the hand-derived update against autograd, batched sampling, the replay options, the fallbacks."""
 
 import numpy as np
 import pytest
@@ -17,19 +17,7 @@ from sb3_speedups.dqn.replay.sampling import draw_indices, gather, newest_indice
 from sb3_speedups.dqn.policies import DuelingMlpPolicy, DuelingQNetwork
 from sb3_speedups.errors import UserError
 from sb3_speedups.registry import get_algo
-
-SMALL = dict(
-    learning_rate=2.3e-3,
-    batch_size=32,
-    buffer_size=5_000,
-    learning_starts=200,
-    target_update_interval=10,
-    train_freq=64,
-    gradient_steps=16,
-    exploration_fraction=0.3,
-    exploration_final_eps=0.05,
-    policy_kwargs=dict(net_arch=[32, 32]),
-)
+from tests.algo_cases import DQN_SMALL as SMALL
 
 
 def _pair(n_envs: int = 1, steps: int = 700, **extra):
@@ -52,18 +40,6 @@ def _max_param_diff(a, b) -> float:
     return max((sa[k] - sb[k]).abs().max().item() for k in sa)
 
 
-@pytest.mark.parametrize("n_envs, extra", [(1, {}), (4, {}), (1, {"n_steps": 3}), (2, {"optimize_memory_usage": True})])
-def test_defaults_equal_stock_first_updates(n_envs, extra):
-    if extra.get("optimize_memory_usage"):
-        extra = {**extra, "replay_buffer_kwargs": dict(handle_timeout_termination=False)}
-    ours, stock = _pair(n_envs, **extra)
-    assert isinstance(ours._speedups.updater, ManualQUpdate)
-    assert ours._n_updates == stock._n_updates > 0
-    assert ours.num_timesteps == stock.num_timesteps
-    assert _max_param_diff(ours, stock) < 1e-5
-    np.testing.assert_array_equal(ours.replay_buffer.actions, stock.replay_buffer.actions)
-
-
 def test_fast_update_matches_autograd_update_with_weights():
     env = make_vec_env("CartPole-v1", n_envs=2, seed=1)
     models = [DQN("MlpPolicy", env, seed=1, fast_update=fast, **SMALL) for fast in (True, False)]
@@ -83,28 +59,6 @@ def test_fast_update_matches_autograd_update_with_weights():
     assert _max_param_diff(*models) < 1e-6
     th.testing.assert_close(tds[0][0], tds[1][0])
     th.testing.assert_close(tds[0][1], tds[1][1])
-
-
-def test_saves_load_both_ways(tmp_path):
-    ours, stock = _pair()
-    obs = ours.env.reset()
-    ours.save(tmp_path / "ours")
-    loaded = stable_baselines3.DQN.load(tmp_path / "ours")
-    np.testing.assert_array_equal(loaded.predict(obs, deterministic=True)[0], ours.predict(obs, deterministic=True)[0])
-    stock.save(tmp_path / "stock")
-    into_ours = DQN.load(tmp_path / "stock", env=make_vec_env("CartPole-v1", n_envs=1, seed=0))
-    assert _max_param_diff(into_ours, stock) == 0
-    into_ours.learn(300, reset_num_timesteps=False)
-    assert into_ours._n_updates > stock._n_updates
-
-
-def test_replay_buffer_save_load_round_trip(tmp_path):
-    ours, _ = _pair(steps=300)
-    ours.save_replay_buffer(tmp_path / "buffer")
-    fresh = DQN("MlpPolicy", "CartPole-v1", **SMALL)
-    fresh.load_replay_buffer(tmp_path / "buffer")
-    assert fresh.replay_buffer.pos == ours.replay_buffer.pos
-    np.testing.assert_array_equal(fresh.replay_buffer.observations, ours.replay_buffer.observations)
 
 
 def test_batched_sampling_equals_stock_samples():
@@ -132,10 +86,13 @@ def test_combined_replay_always_holds_the_newest_transitions():
     assert buffer.full and draw.batch_inds.tolist() == [(11 - 1) % buffer.buffer_size] * 2
 
 
-def test_combined_replay_trains_and_refuses_other_buffers():
+def test_combined_replay_trains():
     model = DQN("MlpPolicy", "CartPole-v1", combined_replay=True, seed=0, **SMALL)
     model.learn(400)
     assert model._n_updates > 0
+
+
+def test_combined_replay_refuses_n_step_buffers():
     with pytest.raises(UserError, match="combined_replay"):
         DQN("MlpPolicy", "CartPole-v1", combined_replay=True, n_steps=3, **SMALL)
 
@@ -166,7 +123,7 @@ def test_double_q_targets_by_hand():
     )
 
 
-def test_dueling_heads_by_hand_and_save(tmp_path):
+def test_dueling_heads_by_hand():
     model = DQN("MlpPolicy", "CartPole-v1", seed=0, **{**SMALL, "policy_kwargs": dict(net_arch=[16, 8], dueling=True)})
     assert isinstance(model.policy, DuelingMlpPolicy) and isinstance(model.q_net, DuelingQNetwork)
     assert isinstance(model._ensure_speedups().updater, AutogradQUpdate)
@@ -177,11 +134,6 @@ def test_dueling_heads_by_hand_and_save(tmp_path):
         value, adv = q_net.value_stream(trunk), q_net.advantage_stream(trunk)
         th.testing.assert_close(q_net(obs), value + adv - adv.mean(dim=1, keepdim=True))
     assert [m.out_features for m in q_net.value_stream if isinstance(m, th.nn.Linear)] == [8, 1]
-    model.learn(400)
-    model.save(tmp_path / "dueling")
-    loaded = DQN.load(tmp_path / "dueling")
-    assert isinstance(loaded.q_net, DuelingQNetwork)
-    th.testing.assert_close(loaded.q_net(obs), model.q_net(obs))
     plain = DQN("MlpPolicy", "CartPole-v1", **{**SMALL, "policy_kwargs": dict(net_arch=[16], dueling=False)})
     assert type(plain.policy) is stable_baselines3.dqn.policies.DQNPolicy
 
@@ -197,21 +149,27 @@ def test_multi_env_actions_are_one_batched_greedy_call():
     assert actions.shape == (4,) and buffer_actions is actions
 
 
-def test_fallbacks_still_train():
+def test_dict_observations_train_with_the_autograd_update():
     dict_model = DQN("MultiInputPolicy", SimpleMultiObsEnv(random_start=False), seed=0, **{**SMALL, "learning_starts": 50})
     dict_model.learn(200)
     assert isinstance(dict_model._speedups.updater, AutogradQUpdate) and dict_model._n_updates > 0
+
+
+def test_vecnormalize_env_trains():
     env = VecNormalize(make_vec_env("CartPole-v1", n_envs=2, seed=0))
     norm_model = DQN("MlpPolicy", env, seed=0, **SMALL)
     norm_model.learn(400)
     assert norm_model._n_updates > 0
 
 
-def test_bad_options_and_cli_registry():
+def test_bad_options_are_refused():
     with pytest.raises(UserError, match="per_final_beta"):
         DQN("MlpPolicy", "CartPole-v1", per_final_beta=2.0)
     with pytest.raises(UserError, match="dueling"):
         DQN("NoSuchPolicy", "CartPole-v1", policy_kwargs=dict(dueling=True))
+
+
+def test_cli_registry_uses_ours():
     assert get_algo("dqn").cls() is DQN
 
 

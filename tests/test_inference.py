@@ -1,6 +1,4 @@
-"""The lean inference copies, flat parameters and the flat fused Adam, each against the stock torch/SB3 object."""
-
-import copy
+"""The lean inference copies and heads, each against the stock torch/SB3 object (flat Adam: test_optim.py)."""
 
 import numpy as np
 import pytest
@@ -13,7 +11,6 @@ from torch import nn
 from sb3_speedups.common.nn.training import ActorCriticMlp, BufferedMlpForward
 from sb3_speedups.common.nn.heads import make_head, sample_one_per_row
 from sb3_speedups.common.acting.actors import LeanActorCritic, LeanMlp, ModuleActorCritic, ParameterMirror
-from sb3_speedups.common.nn.optim import FLUSH_SUBNORMALS_EVERY, FlatAdam, FlatParameters, adam_unsupported_reason
 
 ACTION_SPACES = {
     "discrete": spaces.Discrete(3),
@@ -108,120 +105,6 @@ def test_lean_mlp_equals_sequential():
     x = th.randn(7, 4)
     th.testing.assert_close(lean(x), seq(x).detach(), rtol=0, atol=0)
     assert LeanMlp.parse(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))) is None
-
-
-def test_flat_parameters_keep_module_and_state_dict():
-    policy = make_policy(ACTION_SPACES["discrete"])
-    state = copy.deepcopy(policy.state_dict())
-    params = list(policy.parameters())
-    flat = FlatParameters(params, list(reversed(params)))
-    assert all(p is q for p, q in zip(params, policy.parameters(), strict=True)) and flat.is_bound()
-    for key, value in policy.state_dict().items():
-        th.testing.assert_close(value, state[key], rtol=0, atol=0)
-    flat.data.mul_(0.0)  # the parameters are views: they see it
-    assert all(float(p.detach().abs().sum()) == 0.0 for p in policy.parameters())
-    policy.load_state_dict(state)  # loading copies into the views
-    assert flat.is_bound() and float(flat.data.abs().sum()) > 0
-    with pytest.raises(ValueError, match="side by side"):
-        flat.stacked([params[0], params[2]])
-
-
-@pytest.mark.parametrize("max_norm", [0.5, 1e3])
-def test_flat_adam_matches_torch_adam_and_saves_as_stock(max_norm):
-    th.manual_seed(0)
-    ours_policy = make_policy(ACTION_SPACES["box"])
-    stock_policy = copy.deepcopy(ours_policy)
-    flat = FlatParameters(list(ours_policy.parameters()))
-    adam = FlatAdam(flat, ours_policy.optimizer)
-    x, actions = th.randn(32, 5), th.randn(32, 2)
-
-    def loss_of(policy):
-        values, log_prob, entropy = policy.evaluate_actions(x, actions)
-        return values.pow(2).mean() - log_prob.mean() - 0.1 * entropy.mean()
-
-    for _ in range(5):
-        for policy in (ours_policy, stock_policy):
-            policy.optimizer.zero_grad() if policy is stock_policy else flat.grad.zero_()
-            loss = loss_of(policy)
-            if policy is ours_policy:
-                grads = th.autograd.grad(loss, list(policy.parameters()))
-                for p, g in zip(policy.parameters(), grads, strict=True):
-                    flat.grad_of(p).copy_(g)
-                divisor = flat.clip_divisor(max_norm)
-                # on the CPU: a divisor when clipping is needed (applied inside the fused kernel), else None
-                assert (divisor is None) == (max_norm == 1e3) and (divisor is None or float(divisor) > 1.0)
-                adam.step(divisor)
-            else:
-                loss.backward()
-                th.nn.utils.clip_grad_norm_(policy.parameters(), max_norm)
-                policy.optimizer.step()
-    for p, q in zip(ours_policy.parameters(), stock_policy.parameters(), strict=True):
-        th.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-    ours_state, stock_state = ours_policy.optimizer.state_dict(), stock_policy.optimizer.state_dict()
-    assert ours_state["state"].keys() == stock_state["state"].keys()
-    for key, state in stock_state["state"].items():
-        assert float(ours_state["state"][key]["step"]) == float(state["step"]) == 5
-        th.testing.assert_close(ours_state["state"][key]["exp_avg_sq"], state["exp_avg_sq"], rtol=1e-4, atol=1e-9)
-    # A stock optimizer loading our state steps each parameter once per step (separate step counters).
-    fresh = th.optim.Adam(stock_policy.parameters(), lr=1e-3)
-    fresh.load_state_dict(ours_state)
-    stock_policy.optimizer.zero_grad()
-    loss_of(stock_policy).backward()
-    fresh.step()
-    assert all(float(s["step"]) == 6 for s in fresh.state.values())
-    # Loading state into the optimizer replaces our views: FlatAdam notices, a new one imports the state.
-    assert adam.is_bound()
-    ours_policy.optimizer.load_state_dict(stock_state)
-    assert not adam.is_bound()
-    again = FlatAdam(flat, ours_policy.optimizer)
-    assert again.is_bound() and float(again.steps[0]) == 5
-
-
-@pytest.mark.parametrize("eps, flushed", [(1e-8, True), (1e-12, False)])
-def test_flat_adam_flushes_subnormal_moments_without_changing_parameters(eps, flushed):
-    # Entries whose gradient stops (dead units) decay into subnormal numbers, which the CPU handles slowly.
-    th.manual_seed(0)
-    ours, unflushed, stock = (th.nn.Parameter(th.randn(64)) for _ in range(3))
-    with th.no_grad():
-        unflushed.copy_(ours)
-        stock.copy_(ours)
-    stock_opt = th.optim.Adam([stock], lr=1e-3, eps=eps)
-    flat, flat_ref = FlatParameters([ours]), FlatParameters([unflushed])
-    adam = FlatAdam(flat, th.optim.Adam([ours], lr=1e-3, eps=eps))
-    reference = FlatAdam(flat_ref, th.optim.Adam([unflushed], lr=1e-3, eps=eps))
-    reference._on_cpu = False  # the flush only runs on CPUs: the same fused steps, never flushed
-    tiny = th.finfo(th.float32).tiny
-    dead = th.arange(64) < 32
-    for step in range(1, 1200):
-        grad = th.randn(64) * 1e-3
-        grad[dead] = 1e-36 if step == 1 else 0.0  # tiny once, then nothing: m falls below `tiny` within steps
-        flat.grad.copy_(grad)
-        adam.step()
-        flat_ref.grad.copy_(grad)
-        reference.step()
-        stock.grad = grad.clone()
-        stock_opt.step()
-        if step % FLUSH_SUBNORMALS_EVERY == 0:
-            m = adam.exp_avg
-            subnormal = int(((m != 0) & (m.abs() < tiny)).sum())
-            if flushed:
-                assert subnormal == 0
-            if step == FLUSH_SUBNORMALS_EVERY * 2:
-                # the unflushed steps and stock keep them (the case the flush is for); with a tiny eps ours keeps them
-                for kept in (reference.exp_avg, stock_opt.state[stock]["exp_avg"]):
-                    assert int(((kept != 0) & (kept.abs() < tiny)).sum()) == 32
-                assert (subnormal == 0) == flushed
-    # The flush changes no parameter; torch's own Adam (another kernel) agrees to rounding.
-    assert th.equal(ours.detach(), unflushed.detach())
-    assert th.allclose(ours, stock, rtol=1e-5, atol=1e-7)
-
-
-def test_adam_support_checks():
-    policy = make_policy(ACTION_SPACES["discrete"])
-    params = list(policy.parameters())
-    assert adam_unsupported_reason(policy.optimizer, params) is None
-    assert "SGD" in adam_unsupported_reason(th.optim.SGD(params, lr=0.1), params)
-    assert "amsgrad" in adam_unsupported_reason(th.optim.Adam(params, amsgrad=True), params)
 
 
 @pytest.mark.parametrize("k", [2, 3, 7])

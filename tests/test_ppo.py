@@ -1,17 +1,11 @@
-"""Our PPO against stock SB3's: same first rollout, same gradients, interchangeable saves, every space, callbacks."""
+"""Our PPO: hand-derived gradients against autograd, every action space, the fallbacks, its options and samplers."""
 
-import json
-import zipfile
-
-import gymnasium as gym
 import numpy as np
 import pytest
 import stable_baselines3
 import torch as th
 from gymnasium import spaces
-from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.env_util import make_vec_env
-from stable_baselines3.common.envs import SimpleMultiObsEnv
 from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.policies import ActorCriticPolicy
 from stable_baselines3.common.vec_env import VecNormalize
@@ -23,100 +17,9 @@ from sb3_speedups.ppo.minibatches import Minibatch, MinibatchSampler
 from sb3_speedups.ppo.update import STATS, AutogradPPOUpdate, ManualPPOUpdate, PPOLossConfig
 from sb3_speedups.errors import UserError
 from sb3_speedups.registry import get_algo
-
-
-class BoxObsEnv(gym.Env):
-    """
-    A small real env with ``Box`` observations (flat floats, or a uint8 image) for any action space; episodes are
-    cut by a time limit.
-    """
-
-    def __init__(self, action_space: spaces.Space, episode_length: int = 12, image: bool = False) -> None:
-        self.image = image
-        if image:
-            self.observation_space = spaces.Box(0, 255, (36, 36, 1), np.uint8)
-        else:
-            self.observation_space = spaces.Box(-1, 1, (4,), np.float32)
-        self.action_space = action_space
-        self.episode_length = episode_length
-
-    def _observe(self):
-        if self.image:
-            return self.np_random.integers(0, 256, (36, 36, 1), dtype=np.uint8)
-        return self.np_random.uniform(-1, 1, 4).astype(np.float32)
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.t = 0
-        self.state = self._observe()
-        return self.state, {}
-
-    def step(self, action):
-        self.t += 1
-        target = float(self.state.mean()) if self.image else float(self.state.sum())
-        reward = -abs(float(np.asarray(action, dtype=np.float32).sum()) - target)
-        self.state = self._observe()
-        return self.state, reward, False, self.t >= self.episode_length, {}
-
-
-ACTION_SPACES = {
-    "discrete": spaces.Discrete(3),
-    "box": spaces.Box(-1, 1, (2,), np.float32),
-    "multidiscrete": spaces.MultiDiscrete([3, 2]),
-    "multibinary": spaces.MultiBinary(3),
-}
-SMALL = dict(n_steps=16, batch_size=32, n_epochs=2)
-
-
-def box_env(name, n_envs=4, seed=0):
-    return make_vec_env(lambda: BoxObsEnv(ACTION_SPACES[name]), n_envs=n_envs, seed=seed)
-
-
-def first_rollout(cls, env, policy="MlpPolicy", **kwargs):
-    model = cls(policy, env, seed=3, **SMALL, **kwargs)
-    _, callback = model._setup_learn(10_000, None)
-    assert model.collect_rollouts(model.env, callback, model.rollout_buffer, model.n_steps)
-    buffer = model.rollout_buffer
-    names = ("observations", "actions", "rewards", "episode_starts", "values", "log_probs", "advantages", "returns")
-    if isinstance(buffer.observations, dict):
-        return {
-            **{f"obs.{k}": np.array(v, np.float64) for k, v in buffer.observations.items()},
-            **{name: np.array(getattr(buffer, name), dtype=np.float64) for name in names[1:]},
-        }
-    return {name: np.array(getattr(buffer, name), dtype=np.float64) for name in names}
-
-
-def rollout_case(name):
-    """:return: (env factory, policy, extra kwargs of ours) of a first-rollout case"""
-    if name.startswith("cartpole"):  # a short time limit: truncations bootstrap from the terminal value
-        env = lambda: make_vec_env(lambda: gym.make("CartPole-v1", max_episode_steps=10), n_envs=4, seed=1)  # noqa: E731
-        return env, "MlpPolicy", {"fast_update": False} if name == "cartpole_fallback" else {}
-    if name == "box_sde":
-        return lambda: box_env("box"), "MlpPolicy", {"use_sde": True, "sde_sample_freq": 4}
-    if name == "dict":
-        return lambda: make_vec_env(lambda: SimpleMultiObsEnv(random_start=True), n_envs=2, seed=1), "MultiInputPolicy", {}
-    if name == "image":
-        return lambda: make_vec_env(lambda: BoxObsEnv(spaces.Discrete(3), image=True), n_envs=2, seed=1), "CnnPolicy", {}
-    return lambda: box_env(name), "MlpPolicy", {}
-
-
-@pytest.mark.parametrize("name", [*ACTION_SPACES, "cartpole", "cartpole_fallback", "box_sde", "dict", "image"])
-def test_first_rollout_equals_stock(name):
-    env, policy, kwargs = rollout_case(name)
-    stock_kwargs = {k: v for k, v in kwargs.items() if k in ("use_sde", "sde_sample_freq")}
-    np.random.seed(0)  # SimpleMultiObsEnv draws its observations from numpy's global RNG when created
-    stock = first_rollout(stable_baselines3.PPO, env(), policy, **stock_kwargs)
-    np.random.seed(0)
-    ours = first_rollout(PPO, env(), policy, **kwargs)
-    assert stock["episode_starts"].sum() > 0 or name == "dict"
-    # Continuous actions (mean + std * noise) are equal up to float32 rounding: ours acts through numpy's matrix
-    # products, stock through torch's. Sampled discrete actions must be identical.
-    exact = ["episode_starts"] + (["actions"] if name != "box" else [])
-    for key in [k for k in stock if k.startswith("obs")] + exact:
-        np.testing.assert_array_equal(ours[key], stock[key], err_msg=key)
-    np.testing.assert_allclose(ours["actions"], stock["actions"], rtol=0, atol=1e-6, err_msg="actions")
-    for key in ("values", "log_probs", "rewards", "advantages", "returns"):
-        np.testing.assert_allclose(ours[key], stock[key], rtol=0, atol=1e-5, err_msg=key)
+from tests.algo_cases import PPO_SMALL as SMALL
+from tests.algo_cases import Counter
+from tests.space_envs import ACTION_SPACES, box_env, rollout_case
 
 
 @pytest.mark.parametrize("name", ACTION_SPACES)
@@ -232,24 +135,6 @@ def test_hand_derived_gradients_other_architectures(net_arch, activation):
         th.testing.assert_close(manual.flat.grad_of(p), q.grad, rtol=1e-4, atol=1e-6)
 
 
-class Counter(BaseCallback):
-    def __init__(self):
-        super().__init__()
-        self.steps = self.starts = self.ends = 0
-        self.keys: set[str] = set()
-
-    def _on_rollout_start(self):
-        self.starts += 1
-
-    def _on_step(self):
-        self.steps += 1
-        self.keys |= set(self.locals)
-        return True
-
-    def _on_rollout_end(self):
-        self.ends += 1
-
-
 @pytest.mark.parametrize("name", ACTION_SPACES)
 @pytest.mark.parametrize("fast_update", [True, False])
 def test_learn_every_action_space_fast_and_fallback(name, fast_update):
@@ -263,18 +148,6 @@ def test_learn_every_action_space_fast_and_fallback(name, fast_update):
     assert {"infos", "dones", "rewards", "new_obs", "actions", "values", "log_probs", "self"} <= counter.keys
     assert all(not th.equal(p, q) for p, q in zip(model.policy.parameters(), before, strict=True))
     assert np.isfinite(model.logger.name_to_value["train/value_loss"])
-
-
-def test_callbacks_see_what_stock_callbacks_see():
-    counters = []
-    for cls in (stable_baselines3.PPO, PPO):
-        counter = Counter()
-        cls("MlpPolicy", box_env("discrete"), seed=0, **SMALL).learn(96, callback=counter)
-        counters.append(counter)
-    stock, ours = counters
-    assert (ours.steps, ours.starts, ours.ends) == (stock.steps, stock.starts, stock.ends)
-    loop_temporaries = {"obs_tensor", "done", "idx", "terminal_obs", "terminal_value"}
-    assert stock.keys - loop_temporaries <= ours.keys
 
 
 @pytest.mark.parametrize("name,reason", [("dict", "observation space"), ("image", "observation space"), ("box_sde", "gSDE")])
@@ -302,26 +175,6 @@ def test_collection_acts_from_a_copy_synced_once_per_rollout():
     assert mirror.is_current()  # ... the next rollout starts with one sync
 
 
-def test_save_load_both_ways_with_stock(tmp_path):
-    ours = PPO("MlpPolicy", box_env("box"), seed=0, **SMALL).learn(128)
-    ours.save(tmp_path / "ours.zip")
-    with zipfile.ZipFile(tmp_path / "ours.zip") as archive:
-        data = json.loads(archive.read("data"))
-    assert "_speedups" not in data and "rollout_buffer" not in data
-    stock = stable_baselines3.PPO.load(tmp_path / "ours.zip", env=box_env("box"))
-    obs = box_env("box").reset()
-    np.testing.assert_allclose(stock.predict(obs, deterministic=True)[0], ours.predict(obs, deterministic=True)[0], atol=1e-6)
-    stock.learn(64)  # stock keeps training our file
-
-    stock.save(tmp_path / "stock.zip")
-    steps = {float(s["step"]) for s in stock.policy.optimizer.state.values()}
-    loaded = PPO.load(tmp_path / "stock.zip", env=box_env("box"))
-    loaded.learn(64, reset_num_timesteps=False)
-    assert loaded.fast_path_unsupported_reason() is None
-    assert {float(s["step"]) for s in loaded.policy.optimizer.state.values()} == {max(steps) + 4}  # 2 epochs x 2 batches
-    assert loaded.num_timesteps == stock.num_timesteps + 64
-
-
 def test_vecnormalize_and_schedules_for_gamma_and_lambda():
     env = VecNormalize(box_env("discrete"), gamma=0.9)
     model = PPO("MlpPolicy", env, seed=0, gamma=lambda p: 0.8 + 0.1 * p, gae_lambda=lambda p: 0.5 + 0.4 * p, **SMALL)
@@ -344,7 +197,7 @@ def test_recompute_advantages_after_the_first_epoch(recompute):
     assert changed == recompute
 
 
-def test_batch_normalisation_target_kl_and_bad_input():
+def test_batch_normalisation_with_target_kl():
     model = PPO(
         "MlpPolicy",
         box_env("discrete"),
@@ -357,6 +210,9 @@ def test_batch_normalisation_target_kl_and_bad_input():
     )
     model.learn(64)
     assert model._n_updates == 1  # each train() stops in its first epoch
+
+
+def test_unknown_normalize_advantage_is_refused():
     with pytest.raises(UserError, match="normalize_advantage"):
         PPO("MlpPolicy", box_env("discrete"), normalize_advantage="per-sample")
 

@@ -1,4 +1,4 @@
-"""Fast RecurrentPPO: one-call sequence pass equals sb3-contrib's, LSTM/GRU, save/load both ways, learning."""
+"""Fast RecurrentPPO: one-call sequence pass equals sb3-contrib's, LSTM/GRU, buffers, masked loss, learning."""
 
 from __future__ import annotations
 
@@ -11,17 +11,17 @@ from gymnasium import spaces
 from sb3_contrib.common.recurrent.buffers import RecurrentRolloutBuffer
 from sb3_contrib.common.recurrent.policies import RecurrentActorCriticPolicy as StockPolicy
 from sb3_contrib.common.recurrent.type_aliases import RNNStates
-from stable_baselines3.common.env_util import make_vec_env
 from torch import nn
 
 import sb3_speedups.envs  # noqa: F401  (registers DelayedRecall-v0)
 from sb3_speedups import RecurrentPPO
 from sb3_speedups.ppo_recurrent.buffers import FastRecurrentRolloutBuffer, padded_positions
-from sb3_speedups.ppo_recurrent.collection import LeanRecurrentActor, lean_unsupported_reason, rnn_step
+from sb3_speedups.ppo_recurrent.collection import LeanRecurrentActor, rnn_step
 from sb3_speedups.ppo_recurrent.policies import process_sequence
 from sb3_speedups.ppo_recurrent.training import STATS, RecurrentLossConfig, recurrent_ppo_loss
+from tests.algo_cases import RECURRENT_SMALL
 
-KW = dict(n_steps=32, batch_size=64, n_epochs=2, policy_kwargs=dict(lstm_hidden_size=16, net_arch=[16]), seed=0)
+KW = RECURRENT_SMALL
 
 
 def _batch(n_seq: int = 5, seq_len: int = 7, dim: int = 3) -> tuple[th.Tensor, th.Tensor, tuple[th.Tensor, th.Tensor]]:
@@ -95,21 +95,6 @@ def test_gru_has_fewer_parameters() -> None:
     assert isinstance(gru.policy.lstm_actor, nn.GRU)
     assert count(gru) < count(lstm)
     assert sum(p.numel() for g in gru.policy.optimizer.param_groups for p in g["params"]) == count(gru)
-
-
-def test_save_load_both_ways_with_sb3_contrib(tmp_path) -> None:
-    ours = RecurrentPPO("MlpLstmPolicy", "CartPole-v1", **KW)
-    ours.save(tmp_path / "ours")
-    stock = sb3_contrib.RecurrentPPO.load(tmp_path / "ours")
-    assert type(stock.policy) is StockPolicy
-    stock.save(tmp_path / "stock")
-    back = RecurrentPPO.load(tmp_path / "stock")
-    assert type(back.policy) is not StockPolicy and isinstance(back.policy, StockPolicy)
-    for a, b in zip(ours.policy.state_dict().values(), back.policy.state_dict().values(), strict=True):
-        th.testing.assert_close(a, b)
-    gru = RecurrentPPO("MlpGruPolicy", "CartPole-v1", **KW)
-    gru.save(tmp_path / "gru")
-    assert isinstance(RecurrentPPO.load(tmp_path / "gru").policy.lstm_actor, nn.GRU)
 
 
 def test_delayed_recall_chance_for_random_and_solvable_signal() -> None:
@@ -252,34 +237,6 @@ def test_masked_loss_and_gradients_match_sb3_contrib() -> None:
             th.testing.assert_close(g, r, atol=1e-6, rtol=1e-4)
 
 
-def _truncating_env(n_envs: int = 4):
-    # short time limit: rollouts hold terminations, truncations (timeout bootstrap) and episode starts
-    return make_vec_env(lambda: gym.make("CartPole-v1", max_episode_steps=12), n_envs=n_envs, seed=0)
-
-
-@pytest.mark.parametrize("shared_lstm", [False, True])
-def test_learning_matches_sb3_contrib_for_one_seed(shared_lstm: bool) -> None:
-    """Collection (same samples), buffer, loss and fused Adam: three updates later the models agree."""
-    policy_kwargs = {**KW["policy_kwargs"], "n_lstm_layers": 2}
-    if shared_lstm:  # falls back to sb3-contrib's collection; train() stays ours
-        policy_kwargs.update(shared_lstm=True, enable_critic_lstm=False)
-    models = []
-    for cls in (sb3_contrib.RecurrentPPO, RecurrentPPO):
-        model = cls("MlpLstmPolicy", _truncating_env(), **{**KW, "policy_kwargs": policy_kwargs})
-        model.learn(4 * 32 * 3)
-        models.append(model)
-    stock, ours = models
-    assert (lean_unsupported_reason(ours.policy) is None) is not shared_lstm
-    assert isinstance(ours.rollout_buffer, FastRecurrentRolloutBuffer)
-    assert ours.rollout_buffer.episode_starts.sum() > 4  # episodes started inside the rollout
-    for name in ("observations", "actions", "episode_starts"):
-        np.testing.assert_array_equal(getattr(ours.rollout_buffer, name), getattr(stock.rollout_buffer, name))
-    for name in ("values", "log_probs", "returns", "hidden_states_pi", "cell_states_vf"):
-        np.testing.assert_allclose(getattr(ours.rollout_buffer, name), getattr(stock.rollout_buffer, name), atol=1e-4)
-    for a, b in zip(ours.policy.parameters(), stock.policy.parameters(), strict=True):
-        th.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
-
-
 def test_lean_actor_resets_states_at_episode_starts_and_matches_policy_forward() -> None:
     model = RecurrentPPO("MlpGruPolicy", "CartPole-v1", **{**KW, "policy_kwargs": {**KW["policy_kwargs"], "n_lstm_layers": 2}})
     actor = LeanRecurrentActor(model.policy)
@@ -320,24 +277,6 @@ def test_rnn_step_equals_module_call(rnn_class: type) -> None:
     th.testing.assert_close(out, ref_out[0])
     th.testing.assert_close(h1, ref_h)
     th.testing.assert_close(c1, ref_c)
-
-
-def test_trained_model_saves_for_sb3_contrib_and_keeps_training_after_load(tmp_path) -> None:
-    model = RecurrentPPO("MlpLstmPolicy", "CartPole-v1", **KW)
-    model.learn(128)
-    model.save(tmp_path / "m")
-    stock = sb3_contrib.RecurrentPPO.load(tmp_path / "m")
-    for a, b in zip(model.policy.state_dict().values(), stock.policy.state_dict().values(), strict=True):
-        th.testing.assert_close(a, b)
-    opt, stock_opt = model.policy.optimizer.state_dict(), stock.policy.optimizer.state_dict()
-    for key in opt["state"]:
-        th.testing.assert_close(opt["state"][key]["exp_avg"], stock_opt["state"][key]["exp_avg"])
-        assert float(opt["state"][key]["step"]) == float(stock_opt["state"][key]["step"]) > 0
-    model.set_parameters(stock.get_parameters())  # replaces the optimizer's state: the flat step rebinds
-    before = [p.detach().clone() for p in model.policy.parameters()]
-    model.learn(128, reset_num_timesteps=False)
-    assert model._optimizer_step is not None and model._optimizer_step.is_bound(model.policy.optimizer)
-    assert any(not th.equal(a, b) for a, b in zip(before, model.policy.parameters(), strict=True))
 
 
 @pytest.mark.parametrize(

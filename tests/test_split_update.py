@@ -104,7 +104,7 @@ def test_split_update_gives_exactly_the_one_process_numbers(clip_range_vf: float
     two.close()
 
 
-def test_auto_runs_split_on_two_cpus_and_learns_cartpole(tmp_path: Path) -> None:
+def test_auto_runs_split_on_two_cpus_and_learns_cartpole() -> None:
     if split_update.available_cpus() < 2:
         pytest.skip("needs 2 CPUs")
     model = PPO(
@@ -119,14 +119,6 @@ def test_auto_runs_split_on_two_cpus_and_learns_cartpole(tmp_path: Path) -> None
     assert np.isfinite(values["train/value_loss"]) and values["train/value_loss"] > 0
     returns = [ep["r"] for ep in model.ep_info_buffer]
     assert np.mean(returns) > 60, returns  # random play: ~22
-    model.save(tmp_path / "model.zip")
-    stock = stable_baselines3.PPO.load(tmp_path / "model.zip")
-    obs = model.env.reset()
-    assert np.array_equal(stock.predict(obs, deterministic=True)[0], model.predict(obs, deterministic=True)[0])
-    # a loaded model trains on, split again
-    loaded = PPO.load(tmp_path / "model.zip", env=make_vec_env("CartPole-v1", n_envs=8, seed=1))
-    loaded.learn(512)
-    assert isinstance(loaded._speedups.updater, SplitPPOUpdate)  # type: ignore[union-attr]
     # the helper ends with its model
     del model
     gc.collect()

@@ -1,0 +1,244 @@
+"""
+Our algorithms in the configurations that matter, each beside the stock class it stands in for.
+
+The concern-wide tests run over :data:`CASES`: ``test_equivalence.py`` (learns as stock learns) and ``test_saves.py``
+(saves load both ways). A new algorithm or configuration joins them all by adding one :class:`AlgoCase` below.
+Everything these tests know about our private state (which update ran) is in the ``engine`` functions here.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import sb3_contrib
+import stable_baselines3
+from stable_baselines3.common.base_class import BaseAlgorithm
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.env_util import make_vec_env
+from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
+from stable_baselines3.common.vec_env import VecEnv
+
+from sb3_speedups import DQN, PPO, RecurrentPPO
+from sb3_speedups.ppo_recurrent.collection import lean_unsupported_reason
+
+
+def updater_engine(model: BaseAlgorithm) -> str:
+    """PPO, DQN: the class of the update that trains ``model`` ("unbound" once its optimizer was replaced)."""
+    speed = model._speedups  # type: ignore[attr-defined]
+    if speed is None:
+        return "not built"
+    return type(speed.updater).__name__ if speed.updater.is_bound() else "unbound"
+
+
+def recurrent_engine(model: BaseAlgorithm) -> str:
+    """RecurrentPPO: how it collects, what it stores rollouts in, and whether the flat Adam step drives the optimizer."""
+    collection = "lean" if lean_unsupported_reason(model.policy) is None else "stock"
+    step = model._optimizer_step  # type: ignore[attr-defined]
+    adam = "flat" if step is not None and step.is_bound(model.policy.optimizer) else "unbound"
+    return f"{collection} collection, {type(model.rollout_buffer).__name__}, {adam} Adam"
+
+
+def seeded_envs(env_id: str, n_envs: int, seed: int, max_episode_steps: int | None = None) -> Callable[[], VecEnv]:
+    """
+    :param max_episode_steps: a short time limit, so that a short rollout holds episode starts and timeout
+        bootstraps
+    :return: a factory of equal, seeded vectorised envs
+    """
+    if max_episode_steps is None:
+        return lambda: make_vec_env(env_id, n_envs=n_envs, seed=seed)
+    return lambda: make_vec_env(lambda: gym.make(env_id, max_episode_steps=max_episode_steps), n_envs=n_envs, seed=seed)
+
+
+@dataclass(frozen=True)
+class AlgoCase:
+    """
+    One configuration of one of our algorithms.
+
+    :param name: the test id
+    :param ours: our class
+    :param stock: the stock class it stands in for, or ``None`` where stock has no such configuration (a GRU
+        policy): then only our own save round trip and fast-path checks run
+    :param env: a factory of fresh seeded VecEnvs (each side gets its own, equal one)
+    :param kwargs: constructor arguments given to both classes (with ``policy``)
+    :param engine_of: names the fast paths a model of ours runs on
+    :param engine: what ``engine_of`` must say for this case, after learning and after loading
+    :param ours_kwargs: arguments only ours takes
+    :param policy: the policy name
+    :param learn_steps: timesteps learnt before comparing or saving
+    :param more_steps: timesteps learnt after loading
+    :param exact: rollout/replay buffer fields equal to stock's bit for bit after ``learn_steps``
+    :param close: buffer fields equal up to ``buffer_atol``
+    :param param_atol: tolerance on the policy's state dict after ``learn_steps``, with ``param_rtol``
+    :param predict_atol: tolerance on deterministic actions (0: identical)
+    :param every_space: also compare first rollouts over every action space and observation kind (on-policy)
+    :param callback_gaps: loop variables that stock's callbacks see in ``locals`` and ours do not offer (known gaps)
+    :param marks: pytest marks (platform skips)
+    """
+
+    name: str
+    ours: type[BaseAlgorithm]
+    stock: type[BaseAlgorithm] | None
+    env: Callable[[], VecEnv]
+    kwargs: dict[str, Any]
+    engine_of: Callable[[BaseAlgorithm], str]
+    engine: str
+    ours_kwargs: dict[str, Any] = field(default_factory=dict)
+    policy: str = "MlpPolicy"
+    learn_steps: int = 192
+    more_steps: int = 64
+    exact: tuple[str, ...] = ()
+    close: tuple[str, ...] = ()
+    buffer_atol: float = 1e-5
+    param_atol: float = 1e-5
+    param_rtol: float = 0.0
+    predict_atol: float = 0.0
+    every_space: bool = False
+    callback_gaps: frozenset[str] = frozenset()
+    marks: tuple[Any, ...] = ()
+
+    def make_ours(self, env: VecEnv | None = None) -> BaseAlgorithm:
+        return self.ours(self.policy, env if env is not None else self.env(), **self.kwargs, **self.ours_kwargs)
+
+    def make_stock(self, env: VecEnv | None = None) -> BaseAlgorithm:
+        assert self.stock is not None
+        return self.stock(self.policy, env if env is not None else self.env(), **self.kwargs)
+
+    @property
+    def on_policy(self) -> bool:
+        return issubclass(self.ours, OnPolicyAlgorithm)
+
+
+def buffer_of(model: BaseAlgorithm) -> Any:
+    """:return: where ``model`` keeps its experience (rollout or replay buffer)"""
+    return model.rollout_buffer if isinstance(model, OnPolicyAlgorithm) else model.replay_buffer  # type: ignore[attr-defined]
+
+
+def as_stock_layout(ours: np.ndarray, stock: np.ndarray) -> np.ndarray:
+    """Ours keeps rollouts (step, env)-major after train(); stock's get() leaves them flattened env-major."""
+    if ours.shape == stock.shape:
+        return ours
+    return ours.swapaxes(0, 1).reshape(stock.shape)
+
+
+class Counter(BaseCallback):
+    """Counts rollouts and steps, and collects the names of the loop variables callbacks see."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = self.starts = self.ends = 0
+        self.keys: set[str] = set()
+
+    def _on_rollout_start(self):
+        self.starts += 1
+
+    def _on_step(self):
+        self.steps += 1
+        self.keys |= set(self.locals)
+        return True
+
+    def _on_rollout_end(self):
+        self.ends += 1
+
+
+PPO_SMALL = dict(n_steps=16, batch_size=32, n_epochs=2)
+SEEDED_PPO = {**PPO_SMALL, "seed": 3}
+PPO_BUFFER = dict(exact=("observations", "actions", "episode_starts"), close=("values", "log_probs", "returns", "advantages"))
+DQN_SMALL = dict(
+    learning_rate=2.3e-3,
+    batch_size=32,
+    buffer_size=5_000,
+    learning_starts=200,
+    target_update_interval=10,
+    train_freq=64,
+    gradient_steps=16,
+    exploration_fraction=0.3,
+    exploration_final_eps=0.05,
+    policy_kwargs=dict(net_arch=[32, 32]),
+)
+SEEDED_DQN = {**DQN_SMALL, "seed": 3}
+DQN_CASE = dict(engine_of=updater_engine, engine="ManualQUpdate", learn_steps=700, more_steps=300, exact=("actions",))
+RECURRENT_SMALL = dict(n_steps=32, batch_size=64, n_epochs=2, policy_kwargs=dict(lstm_hidden_size=16, net_arch=[16]), seed=0)
+RNN_KWARGS = {**RECURRENT_SMALL["policy_kwargs"], "n_lstm_layers": 2}
+RECURRENT_CASE = dict(
+    env=seeded_envs("CartPole-v1", 4, 0, max_episode_steps=12),
+    engine_of=recurrent_engine,
+    policy="MlpLstmPolicy",
+    learn_steps=4 * 32 * 3,
+    more_steps=128,
+    exact=("observations", "actions", "episode_starts"),
+    close=("values", "log_probs", "returns", "hidden_states_pi", "cell_states_vf"),
+    buffer_atol=1e-4,
+    param_atol=1e-4,
+    param_rtol=1e-3,
+    # sb3-contrib's loop offers these to callbacks, our lean recurrent collection does not
+    callback_gaps=frozenset({"episode_starts", "clipped_actions"}),
+)
+LINUX_ONLY = (pytest.mark.skipif(not sys.platform.startswith("linux"), reason="split updates need Linux's fork()"),)
+
+PPO_ENV = seeded_envs("CartPole-v1", 4, 3, max_episode_steps=6)
+
+
+def dqn_env(n_envs: int) -> Callable[[], VecEnv]:
+    return seeded_envs("CartPole-v1", n_envs, 3)
+
+
+CASES = [
+    AlgoCase(
+        "ppo", PPO, stable_baselines3.PPO, PPO_ENV, SEEDED_PPO, updater_engine, "ManualPPOUpdate",
+        ours_kwargs=dict(split_update=False), every_space=True, **PPO_BUFFER,
+    ),
+    AlgoCase(
+        "ppo-box", PPO, stable_baselines3.PPO, seeded_envs("Pendulum-v1", 4, 3, max_episode_steps=6), SEEDED_PPO,
+        updater_engine, "ManualPPOUpdate", ours_kwargs=dict(split_update=False), exact=("episode_starts",),
+        close=("observations", "actions", "values", "log_probs", "returns", "advantages"), buffer_atol=1e-4,
+        predict_atol=1e-6,
+    ),
+    AlgoCase(
+        "ppo-split", PPO, stable_baselines3.PPO, PPO_ENV, SEEDED_PPO, updater_engine, "SplitPPOUpdate",
+        ours_kwargs=dict(split_update=True), marks=LINUX_ONLY, **PPO_BUFFER,
+    ),
+    AlgoCase(
+        "ppo-autograd", PPO, stable_baselines3.PPO, PPO_ENV, SEEDED_PPO, updater_engine, "AutogradPPOUpdate",
+        ours_kwargs=dict(fast_update=False), **PPO_BUFFER,
+    ),
+    AlgoCase("dqn", DQN, stable_baselines3.DQN, dqn_env(1), SEEDED_DQN, **DQN_CASE),
+    AlgoCase("dqn-4envs", DQN, stable_baselines3.DQN, dqn_env(4), SEEDED_DQN, **DQN_CASE),
+    AlgoCase("dqn-3step", DQN, stable_baselines3.DQN, dqn_env(1), {**SEEDED_DQN, "n_steps": 3}, **DQN_CASE),
+    AlgoCase(
+        "dqn-optimize-memory", DQN, stable_baselines3.DQN, dqn_env(2),
+        {**SEEDED_DQN, "optimize_memory_usage": True, "replay_buffer_kwargs": dict(handle_timeout_termination=False)},
+        **DQN_CASE,
+    ),
+    AlgoCase(
+        "dqn-dueling", DQN, None, dqn_env(1), {**SEEDED_DQN, "policy_kwargs": dict(net_arch=[16, 8], dueling=True)},
+        **{**DQN_CASE, "engine": "AutogradQUpdate", "learn_steps": 400},
+    ),
+    AlgoCase(
+        "recurrent-lstm", RecurrentPPO, sb3_contrib.RecurrentPPO, kwargs={**RECURRENT_SMALL, "policy_kwargs": RNN_KWARGS},
+        engine="lean collection, FastRecurrentRolloutBuffer, flat Adam", **RECURRENT_CASE,
+    ),
+    AlgoCase(
+        "recurrent-shared-lstm", RecurrentPPO, sb3_contrib.RecurrentPPO,
+        kwargs={**RECURRENT_SMALL, "policy_kwargs": {**RNN_KWARGS, "shared_lstm": True, "enable_critic_lstm": False}},
+        engine="stock collection, FastRecurrentRolloutBuffer, flat Adam", **RECURRENT_CASE,
+    ),
+    AlgoCase(
+        "recurrent-gru", RecurrentPPO, None, kwargs={**RECURRENT_SMALL, "policy_kwargs": RNN_KWARGS},
+        engine="lean collection, FastRecurrentRolloutBuffer, flat Adam", **{**RECURRENT_CASE, "policy": "MlpGruPolicy"},
+    ),
+]  # fmt: skip
+
+
+def params(cases: Iterable[AlgoCase]) -> list[Any]:
+    """:return: ``cases`` as pytest parameters, named and marked"""
+    return [pytest.param(case, id=case.name, marks=case.marks) for case in cases]
+
+
+WITH_STOCK = params(case for case in CASES if case.stock is not None)
+ALL = params(CASES)
