@@ -15,8 +15,9 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.vec_env import VecEnv
 
-from sb3_speedups.ppo.buffers import PreallocatedRollout
+from sb3_speedups.common.timeouts import bootstrap_timeouts
 from sb3_speedups.common.vec_env.stepping import SubsetSteppingMixin
+from sb3_speedups.ppo.buffers import PreallocatedRollout
 from sb3_speedups.errors import UserError
 
 
@@ -30,38 +31,6 @@ class Actor(Protocol):
     def env_actions(self, actions: np.ndarray) -> np.ndarray: ...
 
     def reset_noise(self, n_envs: int) -> None: ...
-
-
-def stack_observations(observations: list[Any]) -> Any:
-    """:return: single observations (arrays or dicts of arrays) stacked into one batch"""
-    if isinstance(observations[0], dict):
-        return {key: np.stack([obs[key] for obs in observations]) for key in observations[0]}
-    return np.stack(observations)
-
-
-def bootstrap_timeouts(
-    actor: Actor, rewards: np.ndarray, dones: np.ndarray, infos: list[dict[str, Any]], gamma: float
-) -> tuple[np.ndarray, Any, np.ndarray] | None:
-    """
-    Add ``gamma * V(terminal observation)`` to the rewards of episodes cut by a time limit (SB3 issue #633), with
-    one batched value call for all of them.
-
-    :return: ``(env indices, their terminal observations, the added bootstrap)``, or ``None`` when there were none
-    """
-    if not dones.any():
-        return None
-    envs = [
-        i
-        for i in np.flatnonzero(dones)
-        if infos[i].get("terminal_observation") is not None and infos[i].get("TimeLimit.truncated", False)
-    ]
-    if not envs:
-        return None
-    terminal_obs = stack_observations([infos[i]["terminal_observation"] for i in envs])
-    index = np.asarray(envs)
-    bootstrap = (gamma * actor.predict_values(terminal_obs)).cpu().numpy()
-    rewards[index] += bootstrap
-    return index, terminal_obs, bootstrap
 
 
 def record_step(
@@ -86,9 +55,9 @@ def record_step(
         return False
     rewards, dones, infos = step_locals["rewards"], step_locals["dones"], step_locals["infos"]
     model._update_info_buffer(infos, dones)
-    timeouts = bootstrap_timeouts(actor, rewards, dones, infos, gamma)
+    timeouts = bootstrap_timeouts(rewards, dones, infos, gamma, lambda envs, obs: actor.predict_values(obs))
     if timeouts is not None:
-        rollout_buffer.add_timeouts(*timeouts)
+        rollout_buffer.add_timeouts(timeouts)
     rollout_buffer.add(
         model._last_obs,  # type: ignore[arg-type]
         step_locals["actions"],

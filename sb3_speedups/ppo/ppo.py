@@ -281,7 +281,7 @@ class PPO(stable_baselines3.PPO):
             return updater.predict_values(updater.training_observations(obs_as_tensor(obs, self.device))).cpu().numpy()
 
         values = updater.predict_values(sampler.observations).cpu().numpy().reshape(self.n_steps, self.n_envs)
-        timeouts = [values_of(obs) for _, _, obs, _ in buffer.timeouts]
+        timeouts = [values_of(record.timeouts.observations) for record in buffer.timeouts]
         buffer.recompute_returns_and_advantage(values, values_of(buffer.last_observations), timeouts)
         sampler.set_targets(buffer.flat("advantages"), buffer.flat("returns"))
 
