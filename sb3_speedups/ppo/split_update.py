@@ -31,17 +31,19 @@ import time
 import traceback
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch as th
 from stable_baselines3.common.policies import ActorCriticPolicy
 
 from sb3_speedups.common.nn.heads import ActionHead
-from sb3_speedups.ppo.minibatches import OLD_VALUES, RETURNS, Minibatch
 from sb3_speedups.common.nn.optim import shared_zeros
-from sb3_speedups.ppo.update import VALUE_LOSS, ManualPPOUpdate, PPOLossConfig
+from sb3_speedups.common.ppo_loss import VALUE_LOSS, PPOLossConfig
 from sb3_speedups.common.torch_utils import available_cpus
+from sb3_speedups.ppo.minibatches import OLD_VALUES, RETURNS, Minibatch, MinibatchSampler
+from sb3_speedups.ppo.update import ManualPPOUpdate
 
 # Slots of the control block (int64): commands written by the training process, commands done by the helper, the
 # helper's status, and whether it sleeps on its pipe.
@@ -299,16 +301,36 @@ def deferred_sigint() -> Iterator[list[int]]:
         raise KeyboardInterrupt
 
 
+@dataclass
+class _CriticViews:
+    """The helper's views of one minibatch of the gathered epoch, made once per ``start:end``."""
+
+    obs: th.Tensor
+    old_values: th.Tensor
+    returns: th.Tensor
+
+
+@dataclass
+class _Epoch:
+    """The helper's copy of the epoch's data, gathered in the epoch's order."""
+
+    obs: th.Tensor
+    #: ``[2, n]``: old values, returns
+    scalars: th.Tensor
+
+
 class SplitPPOUpdate(ManualPPOUpdate):
     """
-    :class:`~sb3_speedups.ppo.update.ManualPPOUpdate` with the critic's half of every minibatch computed in a
-    forked helper process (see the module's docstring). The same numbers as the one-process update of unstacked
-    networks; call :meth:`begin_train`, then per minibatch :meth:`begin_minibatch` before ``forward``, and
-    :meth:`end_train` after the last one.
+    :class:`~sb3_speedups.ppo.update.ManualPPOUpdate` with the critic's half of every minibatch
+    (:meth:`~sb3_speedups.ppo.update.ManualPPOUpdate.critic_loss`) computed in a forked helper process (see the
+    module's docstring). The same numbers as the one-process update of unstacked networks. ``PPO.train()`` drives
+    it through its :class:`~sb3_speedups.ppo.update.TrainHooks`.
 
     :param policy: as for :class:`ManualPPOUpdate`
     :param head: the policy's action head
     """
+
+    minibatch_hook = True
 
     def __init__(self, policy: ActorCriticPolicy, head: ActionHead) -> None:
         super().__init__(policy, head, split=True)
@@ -316,28 +338,26 @@ class SplitPPOUpdate(ManualPPOUpdate):
         self.critic_part = slice(self.net.critic_start, self.flat.data.numel())
         self._helper: _Helper | None = None
         self._last_gather = 0  # the command count at which the helper has read the last order handed to it
-        self._value_loss_zeroed: set[int] = set()
-        # helper side: the epoch's gathered observations and (old values, returns), and views of its minibatches
-        self._epoch: tuple[th.Tensor, th.Tensor] | None = None
-        self._views: dict[tuple[int, int], tuple[th.Tensor, th.Tensor, th.Tensor]] = {}
+        # helper side
+        self._epoch: _Epoch | None = None
+        self._views: dict[tuple[int, int], _CriticViews] = {}
         self._cfg: PPOLossConfig | None = None
 
     # ----- training process ---------------------------------------------------------------------------------------
 
-    def begin_train(self, observations: th.Tensor, scalars: th.Tensor, cfg: PPOLossConfig, rows: int) -> None:
-        """
-        Start the helper if needed and hand it the rollout.
+    def train_guard(self) -> AbstractContextManager[list[int]]:
+        """Ctrl-C waits for the end of a minibatch (:func:`deferred_sigint`): never between the two halves."""
+        return deferred_sigint()
 
-        :param observations: the sampler's rollout observations ``[n, obs_dim]``
-        :param scalars: the sampler's ``[4, n]`` scalars (old values and returns are read)
-        :param cfg: the loss's coefficients
-        :param rows: the most minibatch updates this ``train()`` can do
-        """
+    def begin_train(self, sampler: MinibatchSampler, cfg: PPOLossConfig, max_rows: int) -> None:
+        """Start the helper if needed and hand it the rollout (observations, old values and returns)."""
+        observations, scalars = sampler.observations, sampler.scalars
+        assert isinstance(observations, th.Tensor)
         n, obs_dim = observations.shape
         helper = self._helper
-        if helper is None or helper.shared.key[:2] != (n, obs_dim) or helper.shared.key[2] < rows or not helper.alive():
+        if helper is None or helper.shared.key[:2] != (n, obs_dim) or helper.shared.key[2] < max_rows or not helper.alive():
             self.close()
-            helper = self._helper = _Helper(self, _Shared(n, obs_dim, max(rows, 1)))
+            helper = self._helper = _Helper(self, _Shared(n, obs_dim, max(max_rows, 1)))
             self._last_gather = 0
         shared = helper.shared
         shared.obs.copy_(observations)
@@ -355,31 +375,25 @@ class SplitPPOUpdate(ManualPPOUpdate):
         self._helper.shared.index.copy_(index)
         self._last_gather = self._helper.post(_GATHER)
 
-    def begin_minibatch(self, start: int, end: int, row: int) -> None:
-        """Have the helper compute the critic's gradient of the epoch's samples ``start:end`` (stats row ``row``)."""
+    def begin_minibatch(self, mb: Minibatch, row: int) -> None:
+        """Have the helper compute the critic's gradient of the minibatch (its value loss goes to stats row ``row``)."""
         assert self._helper is not None
-        self._helper.post(_GRAD, start, end, row)
+        self._helper.post(_GRAD, mb.start, mb.end, row)
 
     def forward(self, mb: Minibatch, cfg: PPOLossConfig, stats: th.Tensor) -> None:
         """The actor's half of :meth:`ManualPPOUpdate.forward` (the value loss's statistic comes at :meth:`end_train`)."""
         obs = mb.observations
         assert isinstance(obs, th.Tensor)
-        n = obs.shape[0]
-        ws = self._ws.get(n) or self._workspace(n, obs.device)
-        if n not in self._value_loss_zeroed:
-            ws["row"][VALUE_LOSS].zero_()
-            self._value_loss_zeroed.add(n)
-        self._policy_loss(ws, mb, cfg, self.net.forward_part(obs, 0))
-        th.mv(ws["rows"], ws["mean_weights"], out=stats)
-        self._policy_loss_gradient(ws, n)
-        self._pending = (ws, n, cfg.ent_coef)
+        ws = self._ws.get(obs.shape[0]) or self.workspace(obs.shape[0], obs.device)
+        self.actor_loss(ws, mb, cfg, self.net.forward_part(obs, 0))
+        th.mv(ws.rows, ws.mean_weights, out=stats)
+        self._pending, self._pending_ent_coef = ws, cfg.ent_coef
 
     def backward(self) -> None:
         """The actor's gradient (the critic's is the helper's)."""
-        ws, n, ent_coef = self._pending
-        d_out = self.net.d_out_buffer(n)
-        self.head.backward(ws["head"], ws["g_log_prob"], -ent_coef / n, d_out, self.net.grad_log_std)
-        self.net.backward_part(d_out, 0)
+        ws = self._pending
+        assert ws is not None
+        self.net.backward_part(self.actor_output_gradient(ws, self._pending_ent_coef), 0)
 
     def optimizer_step(self, max_grad_norm: float) -> None:
         """Wait for the critic's gradient, clip by the norm of both, and step the actor here and the critic there."""
@@ -427,9 +441,9 @@ class SplitPPOUpdate(ManualPPOUpdate):
             )
         elif code == _GATHER:
             if self._epoch is None:
-                self._epoch = (th.empty_like(shared.obs), th.empty_like(shared.scalars))
-            th.index_select(shared.obs, 0, shared.index, out=self._epoch[0])
-            th.index_select(shared.scalars, 1, shared.index, out=self._epoch[1])
+                self._epoch = _Epoch(th.empty_like(shared.obs), th.empty_like(shared.scalars))
+            th.index_select(shared.obs, 0, shared.index, out=self._epoch.obs)
+            th.index_select(shared.scalars, 1, shared.index, out=self._epoch.scalars)
         elif code == _LOAD:
             clip_vf = float(args[2])
             self._cfg = PPOLossConfig(
@@ -442,14 +456,11 @@ class SplitPPOUpdate(ManualPPOUpdate):
         assert self._epoch is not None and self._cfg is not None
         views = self._views.get((start, end))
         if views is None:
-            obs, scalars = self._epoch
-            views = self._views[(start, end)] = (obs[start:end], scalars[0, start:end], scalars[1, start:end])
-        obs, old_values, returns = views
-        n = end - start
-        ws = self._ws.get(n) or self._workspace(n, obs.device)
-        values = self.net.forward_part(obs, 1)
-        mb = Minibatch(obs, {}, old_values, old_values, old_values, returns)
-        self._value_loss(ws, mb, self._cfg, values)
-        shared.results[row] = float(th.dot(ws["row"][VALUE_LOSS], ws["mean_weights"]))
-        self._value_loss_gradient(ws, n, self._cfg)
-        self.net.backward_part(ws["g_values"], 1)
+            epoch = self._epoch
+            views = self._views[(start, end)] = _CriticViews(
+                epoch.obs[start:end], epoch.scalars[0, start:end], epoch.scalars[1, start:end]
+            )
+        ws = self._ws.get(end - start) or self.workspace(end - start, views.obs.device)
+        self.critic_loss(ws, self.net.forward_part(views.obs, 1), views.old_values, views.returns, self._cfg)
+        shared.results[row] = float(th.dot(ws.stat_rows[VALUE_LOSS], ws.mean_weights))
+        self.net.backward_part(ws.g_values, 1)

@@ -289,10 +289,10 @@ class FlatAdam:
         Set the moments' subnormal entries (below 1.2e-38 in size) to zero.
 
         A unit that stops receiving gradient (a dead ReLU) has its first moment decay by ``beta1`` each step into the
-        subnormal range, where the CPU's arithmetic is many times slower. Flushed, such an entry is exactly zero and stays so. The parameters do not change: the step of an entry is
-        ``lr * m_hat / (sqrt(v_hat) + eps)``; with ``eps >= 1e-10`` (:data:`FLUSH_MIN_EPS`) a subnormal ``m`` moves a
-        parameter by less than 1e-27, and a subnormal ``v`` (square root below 1.1e-19) changes the denominator by
-        less than float32's rounding.
+        subnormal range, where the CPU's arithmetic is many times slower. Flushed, such an entry is exactly zero and
+        stays so. The parameters do not change: the step of an entry is ``lr * m_hat / (sqrt(v_hat) + eps)``; with
+        ``eps >= 1e-10`` (:data:`FLUSH_MIN_EPS`) a subnormal ``m`` moves a parameter by less than 1e-27, and a
+        subnormal ``v`` (square root below 1.1e-19) changes the denominator by less than float32's rounding.
 
         :param part: flush only this range of the flat buffers (default: all)
         """

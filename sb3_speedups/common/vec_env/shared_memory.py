@@ -14,7 +14,6 @@ from sb3_speedups.common.shared_memory import map_shared
 _ALIGN = 64  # one cache line: arrays written by different processes never share a line
 
 
-
 @dataclass(frozen=True)
 class ArraySpec:
     """
