@@ -133,8 +133,9 @@ def record_train_stats(model: BaseAlgorithm, stats: th.Tensor, last_epoch_start:
     loss = -last[NEG_PG] + cfg.ent_coef * last[ENTROPY_LOSS] + cfg.vf_coef * last[VALUE_LOSS]
     logger.record("train/loss", float(loss))
     logger.record("train/explained_variance", float(explained_variance(buffer.values.flatten(), buffer.returns.flatten())))
-    if hasattr(model.policy, "log_std"):
-        logger.record("train/std", th.exp(model.policy.log_std).mean().item())
+    log_std = getattr(model.policy, "log_std", None)
+    if log_std is not None:
+        logger.record("train/std", th.exp(log_std).mean().item())
     logger.record("train/n_updates", model._n_updates, exclude="tensorboard")  # type: ignore[attr-defined]
     logger.record("train/clip_range", cfg.clip_range)
     if cfg.clip_range_vf is not None:

@@ -118,12 +118,23 @@ class ManualWorkspace:
         # zeros: the split update's actor process never writes the value loss's row, whose mean must then be 0
         rows = th.zeros(len(STATS), n, device=device)
         g_values = th.empty(n, 1, device=device)
-        vectors = [th.empty(n, device=device) for _ in range(9)]
+
+        def vector() -> th.Tensor:
+            return th.empty(n, device=device)
+
         return cls(
-            n,
-            rows,
-            list(rows),
-            *vectors,
+            n=n,
+            rows=rows,
+            stat_rows=list(rows),
+            log_prob=vector(),
+            clipped=vector(),
+            s1=vector(),
+            s2=vector(),
+            err=vector(),
+            dv=vector(),
+            dv_clipped=vector(),
+            g_log_prob=vector(),
+            mask=vector(),
             vmask=th.empty(n, dtype=th.bool, device=device),
             zeros=th.zeros(n, device=device),
             mean_weights=th.full((n,), 1.0 / n, device=device),
