@@ -5,7 +5,8 @@ The module keeps its own ``nn.Parameter`` objects (so ``state_dict``, saving and
 their storage moves into one contiguous buffer. Gradient clipping then is one norm, and Adam one fused kernel call,
 instead of a Python loop over every tensor. The ``torch.optim.Adam`` object stays the source of truth for the
 hyperparameters, and its state tensors are views into the flat moment buffers, so ``optimizer.state_dict()`` holds
-exactly what stock Adam would hold.
+exactly what stock Adam would hold. :class:`FlatOptimizerStep` is the step of an autograd loss on them (PPO's
+autograd update, RecurrentPPO).
 """
 
 from __future__ import annotations
