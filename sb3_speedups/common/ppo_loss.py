@@ -48,6 +48,26 @@ class PPOLossConfig:
     max_grad_norm: float
 
 
+def start_train(model: BaseAlgorithm) -> PPOLossConfig:
+    """
+    What every PPO ``train()`` does first, as SB3's: training mode on, the learning rate of this progress set.
+
+    :param model: the PPO model
+    :return: the loss's coefficients at the current progress (clip-range schedules evaluated)
+    """
+    model.policy.set_training_mode(True)
+    model._update_learning_rate(model.policy.optimizer)
+    progress = model._current_progress_remaining
+    vf = model.clip_range_vf  # type: ignore[attr-defined]
+    return PPOLossConfig(
+        float(model.clip_range(progress)),  # type: ignore[attr-defined]
+        None if vf is None else float(vf(progress)),
+        float(model.ent_coef),  # type: ignore[attr-defined]
+        float(model.vf_coef),  # type: ignore[attr-defined]
+        float(model.max_grad_norm),  # type: ignore[attr-defined]
+    )
+
+
 def ppo_loss(
     log_prob: th.Tensor,
     entropy: th.Tensor | None,

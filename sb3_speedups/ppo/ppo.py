@@ -39,7 +39,7 @@ from sb3_speedups.common.acting.actors import LeanActorCritic, ModuleActorCritic
 from sb3_speedups.common.nn.heads import make_head
 from sb3_speedups.common.nn.optim import adam_unsupported_reason
 from sb3_speedups.common.nn.training import mlp_unsupported_reason
-from sb3_speedups.common.ppo_loss import STATS, PPOLossConfig, kl_stops, record_train_stats
+from sb3_speedups.common.ppo_loss import STATS, PPOLossConfig, kl_stops, record_train_stats, start_train
 from sb3_speedups.common.torch_utils import apply_num_threads
 from sb3_speedups.errors import UserError
 from sb3_speedups.ppo.buffers import PreallocatedRollout, fast_buffer_class
@@ -287,12 +287,7 @@ class PPO(stable_baselines3.PPO):
             return super().train()
         speed = self._ensure_speedups()
         sampler = self._sampler(speed)
-        self.policy.set_training_mode(True)
-        self._update_learning_rate(self.policy.optimizer)
-        progress = self._current_progress_remaining
-        clip_range = float(self.clip_range(progress))  # type: ignore[operator]
-        clip_range_vf = None if self.clip_range_vf is None else float(self.clip_range_vf(progress))  # type: ignore[operator]
-        cfg = PPOLossConfig(clip_range, clip_range_vf, float(self.ent_coef), float(self.vf_coef), float(self.max_grad_norm))
+        cfg = start_train(self)
         self._load_rollout(speed, sampler)
         stats = th.empty(self.n_epochs * math.ceil(sampler.n / self.batch_size), len(STATS), device=self.device)
         # The hand-derived update needs no autograd: without its dispatch every op is cheaper. Its cached buffers are

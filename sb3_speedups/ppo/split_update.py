@@ -171,8 +171,7 @@ class SplitPPOUpdate(ManualPPOUpdate):
         assert isinstance(obs, th.Tensor)
         ws = self._ws.get(obs.shape[0]) or self.workspace(obs.shape[0], obs.device)
         self.actor_loss(ws, mb, cfg, self.net.forward_part(obs, 0))
-        th.mv(ws.rows, ws.mean_weights, out=stats)
-        self._pending, self._pending_ent_coef = ws, cfg.ent_coef
+        self.write_stats(ws, cfg, stats)
 
     def backward(self) -> None:
         """The actor's gradient (the critic's is the helper's)."""

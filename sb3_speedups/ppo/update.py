@@ -216,6 +216,10 @@ class ManualPPOUpdate(TrainHooks):
         out, values = self.net.forward(obs)
         self.actor_loss(ws, mb, cfg, out)
         self.critic_loss(ws, values, mb.old_values, mb.returns, cfg)
+        self.write_stats(ws, cfg, stats)
+
+    def write_stats(self, ws: ManualWorkspace, cfg: PPOLossConfig, stats: th.Tensor) -> None:
+        """Write the means of the per-sample terms into ``stats`` and keep ``ws`` for :meth:`backward`."""
         th.mv(ws.rows, ws.mean_weights, out=stats)  # all the means as one product: cheaper than sum and divide
         self._pending, self._pending_ent_coef = ws, cfg.ent_coef
 

@@ -30,7 +30,7 @@ from stable_baselines3.common.policies import BasePolicy
 from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_speedups.common.nn.optim import FlatOptimizerStep
-from sb3_speedups.common.ppo_loss import PPOLossConfig, kl_stops, record_train_stats
+from sb3_speedups.common.ppo_loss import kl_stops, record_train_stats, start_train
 from sb3_speedups.common.torch_utils import apply_num_threads
 from sb3_speedups.ppo_recurrent.buffers import FastRecurrentRolloutBuffer
 from sb3_speedups.ppo_recurrent.collection import LeanRecurrentActor, collect_recurrent_rollout, lean_unsupported_reason
@@ -97,12 +97,7 @@ class RecurrentPPO(sb3_contrib.RecurrentPPO):
 
     def train(self) -> None:
         """sb3-contrib's update (same loss, epochs, minibatches, early stopping and logs), without per-step syncs."""
-        self.policy.set_training_mode(True)
-        self._update_learning_rate(self.policy.optimizer)
-        progress = self._current_progress_remaining
-        clip_range = float(self.clip_range(progress))  # type: ignore[operator]
-        clip_range_vf = None if self.clip_range_vf is None else float(self.clip_range_vf(progress))  # type: ignore[operator]
-        cfg = PPOLossConfig(clip_range, clip_range_vf, float(self.ent_coef), float(self.vf_coef), float(self.max_grad_norm))
+        cfg = start_train(self)
         step = self._optimizer_step
         if step is None or not step.is_bound(self.policy.optimizer):
             step = self._optimizer_step = FlatOptimizerStep(self.policy, self.policy.optimizer)
