@@ -18,13 +18,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch as th
 import torch.nn.functional as F
-from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.utils import explained_variance
+
+if TYPE_CHECKING:
+    import sb3_contrib
+    import stable_baselines3
+
+    PPOModel = stable_baselines3.PPO | sb3_contrib.RecurrentPPO
 
 #: per-minibatch statistics, in the order of a stats row: ``policy_gradient_loss`` is stored negated (``mean(min)``),
 #: and SB3's ``approx_kl = mean(ratio - 1 - log_ratio)`` as ``mean(ratio)`` and ``mean(log_ratio)`` (see :func:`approx_kl`)
@@ -48,7 +53,7 @@ class PPOLossConfig:
     max_grad_norm: float
 
 
-def start_train(model: BaseAlgorithm) -> PPOLossConfig:
+def start_train(model: PPOModel) -> PPOLossConfig:
     """
     What every PPO ``train()`` does first, as SB3's: training mode on, the learning rate of this progress set.
 
@@ -58,13 +63,13 @@ def start_train(model: BaseAlgorithm) -> PPOLossConfig:
     model.policy.set_training_mode(True)
     model._update_learning_rate(model.policy.optimizer)
     progress = model._current_progress_remaining
-    vf = model.clip_range_vf  # type: ignore[attr-defined]
+    vf = model.clip_range_vf
     return PPOLossConfig(
-        float(model.clip_range(progress)),  # type: ignore[attr-defined]
-        None if vf is None else float(vf(progress)),
-        float(model.ent_coef),  # type: ignore[attr-defined]
-        float(model.vf_coef),  # type: ignore[attr-defined]
-        float(model.max_grad_norm),  # type: ignore[attr-defined]
+        float(model.clip_range(progress)),  # type: ignore[operator]
+        None if vf is None else float(vf(progress)),  # type: ignore[operator]
+        float(model.ent_coef),
+        float(model.vf_coef),
+        float(model.max_grad_norm),
     )
 
 
@@ -113,14 +118,14 @@ def ppo_loss(
     return loss, stats
 
 
-def kl_stops(model: BaseAlgorithm, row: th.Tensor, epoch: int) -> bool:
+def kl_stops(model: PPOModel, row: th.Tensor, epoch: int) -> bool:
     """
     :param model: the PPO model (its ``target_kl`` and ``verbose`` are read)
     :param row: the stats row of the minibatch just computed
     :param epoch: the current epoch (for the message)
     :return: whether ``target_kl`` stops the epochs after this minibatch (as stock SB3; one host sync)
     """
-    target_kl = model.target_kl  # type: ignore[attr-defined]
+    target_kl = model.target_kl
     if target_kl is None:
         return False
     kl = float(approx_kl(row.double()))
@@ -131,7 +136,7 @@ def kl_stops(model: BaseAlgorithm, row: th.Tensor, epoch: int) -> bool:
     return True
 
 
-def record_train_stats(model: BaseAlgorithm, stats: th.Tensor, last_epoch_start: int, cfg: PPOLossConfig) -> None:
+def record_train_stats(model: PPOModel, stats: th.Tensor, last_epoch_start: int, cfg: PPOLossConfig) -> None:
     """
     Record what stock SB3 records after ``train()`` (one host sync for all of it).
 
@@ -143,7 +148,7 @@ def record_train_stats(model: BaseAlgorithm, stats: th.Tensor, last_epoch_start:
     table = stats.cpu().numpy().astype(np.float64)
     means = table.mean(axis=0)
     last = table[-1]
-    buffer = model.rollout_buffer  # type: ignore[attr-defined]
+    buffer = model.rollout_buffer
     logger = model.logger
     logger.record("train/entropy_loss", float(means[ENTROPY_LOSS]))
     logger.record("train/policy_gradient_loss", float(-means[NEG_PG]))
@@ -156,7 +161,7 @@ def record_train_stats(model: BaseAlgorithm, stats: th.Tensor, last_epoch_start:
     log_std = getattr(model.policy, "log_std", None)
     if log_std is not None:
         logger.record("train/std", th.exp(log_std).mean().item())
-    logger.record("train/n_updates", model._n_updates, exclude="tensorboard")  # type: ignore[attr-defined]
+    logger.record("train/n_updates", model._n_updates, exclude="tensorboard")
     logger.record("train/clip_range", cfg.clip_range)
     if cfg.clip_range_vf is not None:
         logger.record("train/clip_range_vf", cfg.clip_range_vf)
