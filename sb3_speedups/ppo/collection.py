@@ -7,6 +7,7 @@ action clipping, gSDE noise resampling).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -135,6 +136,16 @@ def _join(parts: list[Any]) -> Any:
     return np.concatenate(parts)
 
 
+@dataclass
+class _Acted:
+    """What the policy did for one half of the envs, whose step is under way."""
+
+    actions: np.ndarray
+    values: th.Tensor
+    log_probs: th.Tensor
+    clipped_actions: np.ndarray
+
+
 def double_buffer_unsupported_reason(model: BaseAlgorithm, env: VecEnv) -> str | None:
     """:return: why :func:`collect_rollout_double_buffered` cannot collect from ``env``, or ``None`` when it can"""
     if not isinstance(env, SubsetSteppingMixin):
@@ -184,11 +195,11 @@ def collect_rollout_double_buffered(
     rollout_buffer.reset()
     callback.on_rollout_start()
 
-    def launch(indices: np.ndarray, obs: Any) -> tuple[np.ndarray, th.Tensor, th.Tensor, np.ndarray]:
+    def launch(indices: np.ndarray, obs: Any) -> _Acted:
         actions, values, log_probs = actor.act(obs)
         clipped = actor.env_actions(actions)
         env.step_async_indices(clipped, indices)
-        return actions, values, log_probs, clipped
+        return _Acted(actions, values, log_probs, clipped)
 
     started = [launch(indices, take(self._last_obs, indices)) for indices in halves]
     while n_steps < n_rollout_steps:
@@ -197,7 +208,8 @@ def collect_rollout_double_buffered(
             results.append(env.step_wait_indices(indices))
             if n_steps + 1 < n_rollout_steps:
                 next_started.append(launch(indices, results[-1][0]))
-        actions, values, log_probs, clipped_actions = (_join(list(part)) for part in zip(*started, strict=True))
+        actions, values = _join([a.actions for a in started]), _join([a.values for a in started])
+        log_probs, clipped_actions = _join([a.log_probs for a in started]), _join([a.clipped_actions for a in started])
         new_obs, rewards, dones, infos = (_join(list(part)) for part in zip(*results, strict=True))
         started = next_started
         if not record_step(self, env, callback, rollout_buffer, actor, gamma, locals()):

@@ -76,7 +76,7 @@ class _Shared:
     """The shared-memory areas of one helper, sized for one rollout shape."""
 
     def __init__(self, n: int, obs_dim: int, capacity: int) -> None:
-        self.key = (n, obs_dim, capacity)
+        self.n, self.obs_dim, self.capacity = n, obs_dim, capacity
         self.channel = CommandChannel.allocate()
         self.results = shared_zeros(capacity, th.float64).numpy()
         self.obs = shared_zeros(n * obs_dim).view(n, obs_dim)
@@ -139,7 +139,7 @@ class SplitPPOUpdate(ManualPPOUpdate):
         assert isinstance(observations, th.Tensor)
         n, obs_dim = observations.shape
         helper, shared = self._helper, self._shared
-        fits = shared is not None and shared.key[:2] == (n, obs_dim) and shared.key[2] >= max_rows
+        fits = shared is not None and (shared.n, shared.obs_dim) == (n, obs_dim) and shared.capacity >= max_rows
         if helper is None or shared is None or not fits or not helper.alive():
             self.close()
             shared = self._shared = _Shared(n, obs_dim, max(max_rows, 1))
