@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from stable_baselines3.common.buffers import DictRolloutBuffer, RolloutBuffer
 
+from sb3_speedups.common.timeouts import Timeouts
 from sb3_speedups.ppo.buffers import FastDictRolloutBuffer, FastRolloutBuffer, compute_gae
 from sb3_speedups.ppo.minibatches import ADVANTAGES, MinibatchSampler, normalize_chunks_
 
@@ -138,7 +139,7 @@ def test_recompute_with_new_values_rebootstraps_timeouts():
     rng = np.random.default_rng(2)
     fill(buffer, rng, n_steps - 1, n_envs)
     # a truncation in env 1 at the last step: its reward already holds gamma * V(terminal) = gamma * 2
-    buffer.add_timeouts(np.array([1]), np.zeros((1, 3), np.float32), np.array([gamma * 2.0], np.float32))
+    buffer.add_timeouts(Timeouts(np.array([1]), np.zeros((1, 3), np.float32), np.array([gamma * 2.0], np.float32)))
     fill(buffer, rng, 1, n_envs)
     buffer.compute_returns_and_advantage(th.zeros(n_envs), np.array([False, True]))
     before = buffer.advantages.copy()

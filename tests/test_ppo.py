@@ -90,7 +90,7 @@ def test_device_scalars_give_the_same_update(clip_range_vf):
 @pytest.mark.skipif(not th.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kwargs", [{}, dict(clip_range_vf=lambda p: 0.3 * p, recompute_advantages=True)])
 def test_cuda_graph_epochs_equal_op_by_op_epochs(kwargs):
-    # run on the lent H200 (2026-12-04): parameters bit-identical after 1, 2 and 5 train() calls
+    # the replayed epochs must give the op-by-op parameters bit for bit
     config = dict(n_steps=64, batch_size=64, n_epochs=4, clip_range=lambda p: 0.2 * p, learning_rate=lambda p: 3e-4 * p)
     models = [PPO("MlpPolicy", box_env("discrete"), device="cuda", seed=3, cuda_graphs=g, **config, **kwargs) for g in (0, 1)]
     callbacks = [m._setup_learn(10**5)[1] for m in models]

@@ -18,7 +18,8 @@ from sb3_speedups import RecurrentPPO
 from sb3_speedups.ppo_recurrent.buffers import FastRecurrentRolloutBuffer, padded_positions
 from sb3_speedups.ppo_recurrent.collection import LeanRecurrentActor, rnn_step
 from sb3_speedups.ppo_recurrent.policies import process_sequence
-from sb3_speedups.ppo_recurrent.training import STATS, RecurrentLossConfig, recurrent_ppo_loss
+from sb3_speedups.common.ppo_loss import ENTROPY_LOSS, NEG_PG, VALUE_LOSS, PPOLossConfig
+from sb3_speedups.ppo_recurrent.training import recurrent_ppo_loss
 from tests.algo_cases import RECURRENT_SMALL
 
 KW = RECURRENT_SMALL
@@ -224,15 +225,16 @@ def _stock_loss(policy: StockPolicy, data, clip_range: float, ent_coef: float, v
 def test_masked_loss_and_gradients_match_sb3_contrib() -> None:
     model = RecurrentPPO("MlpLstmPolicy", "CartPole-v1", **KW)
     model.learn(64)
-    cfg = RecurrentLossConfig(clip_range=0.1, clip_range_vf=None, ent_coef=0.01, vf_coef=0.5, normalize_advantage=True)
+    cfg = PPOLossConfig(clip_range=0.1, clip_range_vf=None, ent_coef=0.01, vf_coef=0.5, max_grad_norm=0.5)
     for data in model.rollout_buffer.get(24):
         assert float(data.mask.min()) == 0.0 or data.mask.numel() == 24  # padding present in most minibatches
-        loss, stats = recurrent_ppo_loss(model.policy, data, cfg, discrete=True)
+        loss, stats = recurrent_ppo_loss(model.policy, data, cfg, normalize_advantage=True, discrete=True)
         grads = th.autograd.grad(loss, list(model.policy.parameters()))
         ref = _stock_loss(model.policy, data, 0.1, 0.01, 0.5)
         ref_grads = th.autograd.grad(ref, list(model.policy.parameters()))
         th.testing.assert_close(loss, ref)
-        th.testing.assert_close(stats[STATS.index("loss")], ref.detach())
+        recorded = -stats[NEG_PG] + 0.01 * stats[ENTROPY_LOSS] + 0.5 * stats[VALUE_LOSS]
+        th.testing.assert_close(recorded, ref.detach())
         for g, r in zip(grads, ref_grads, strict=True):
             th.testing.assert_close(g, r, atol=1e-6, rtol=1e-4)
 

@@ -82,14 +82,14 @@ def test_split_update_gives_exactly_the_one_process_numbers(clip_range_vf: float
                 one.optimizer_step(cfg.max_grad_norm)
                 row += 1
         np.random.seed(0)
-        two.begin_train(sampler.observations, sampler.scalars, cfg, rows)  # type: ignore[arg-type]
+        two.begin_train(sampler, cfg, rows)
         row = 0
         for _ in range(3):
             if sampler.draw():
                 sampler.gather()
                 two.gathered(sampler.index)
-            for k, mb in enumerate(sampler.minibatches()):
-                two.begin_minibatch(32 * k, 32 * k + 32, row)
+            for mb in sampler.minibatches():
+                two.begin_minibatch(mb, row)
                 two.forward(mb, cfg, stats_two[row])
                 two.backward()
                 two.optimizer_step(cfg.max_grad_norm)
@@ -153,13 +153,13 @@ def test_split_update_follows_its_argument_and_the_process_rules() -> None:
 def test_a_killed_helper_raises_one_clear_error_instead_of_hanging() -> None:
     _, two, sampler = _updaters(None)
     cfg = PPOLossConfig(0.2, None, 0.0, 0.5, 0.5)
-    two.begin_train(sampler.observations, sampler.scalars, cfg, 2)  # type: ignore[arg-type]
+    two.begin_train(sampler, cfg, 2)
     pid = two.helper_pid()
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
     sampler.shuffle()
     mb = next(iter(sampler.minibatches()))
-    two.begin_minibatch(0, 32, 0)
+    two.begin_minibatch(mb, 0)
     two.forward(mb, cfg, th.zeros(len(STATS)))
     two.backward()
     with pytest.raises(HelperError, match="was killed by SIGKILL; train with split_update=False"):
@@ -170,7 +170,7 @@ def test_a_killed_helper_raises_one_clear_error_instead_of_hanging() -> None:
 
 def test_an_error_in_the_helper_is_raised_in_the_training_process() -> None:
     _, two, sampler = _updaters(None)
-    two.begin_train(sampler.observations, sampler.scalars, PPOLossConfig(0.2, None, 0.0, 0.5, 0.5), 2)  # type: ignore[arg-type]
+    two.begin_train(sampler, PPOLossConfig(0.2, None, 0.0, 0.5, 0.5), 2)
     helper = two._helper
     assert helper is not None
     with pytest.raises(

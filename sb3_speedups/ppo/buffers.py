@@ -10,6 +10,7 @@ newer value function: the observation after the last step and the terminal obser
 from __future__ import annotations
 
 from collections.abc import Generator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,16 @@ import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.buffers import DictRolloutBuffer, RolloutBuffer
 from stable_baselines3.common.type_aliases import DictRolloutBufferSamples, RolloutBufferSamples
+
+from sb3_speedups.common.timeouts import Timeouts
+
+
+@dataclass
+class TimeoutRecord:
+    """The timeouts of one step of the rollout, kept to recompute their bootstrap with a newer value function."""
+
+    pos: int
+    timeouts: Timeouts
 
 
 def compute_gae(
@@ -106,7 +117,7 @@ class PreallocatedRollout:
         for name in ("rewards", "returns", "episode_starts", "values", "log_probs", "advantages"):
             self.tensors[name], array = _zeros(shape, np.float32)
             setattr(self, name, array)
-        self.timeouts: list[tuple[int, np.ndarray, Any, np.ndarray]] = []
+        self.timeouts: list[TimeoutRecord] = []
         self.last_observations: Any = None
         self.last_dones = np.zeros(self.n_envs, dtype=np.float32)
 
@@ -139,15 +150,13 @@ class PreallocatedRollout:
         """Store one step of every env (SB3's ``RolloutBuffer.add`` signature)."""
         raise NotImplementedError
 
-    def add_timeouts(self, env_indices: np.ndarray, terminal_obs: Any, bootstrap: np.ndarray) -> None:
+    def add_timeouts(self, timeouts: Timeouts) -> None:
         """
         Remember truncated episodes of the current step (call before :meth:`add`), to recompute their bootstrap.
 
-        :param env_indices: envs whose episode was truncated
-        :param terminal_obs: their terminal observations, batched
-        :param bootstrap: ``gamma * V(terminal_obs)``, already added to their rewards
+        :param timeouts: the step's bootstrapped timeouts (their bootstrap already added to the rewards)
         """
-        self.timeouts.append((self.pos, env_indices, terminal_obs, bootstrap))
+        self.timeouts.append(TimeoutRecord(self.pos, timeouts))
 
     def set_last_observations(self, obs: Any) -> None:
         """Keep the observation after the last step (a copy), for :meth:`recompute_returns_and_advantage`."""
@@ -180,8 +189,9 @@ class PreallocatedRollout:
         :param timeout_values: new ``V`` of each :meth:`add_timeouts` record's terminal observations
         """
         rewards = self.rewards.copy()
-        for (pos, envs, _, old_bootstrap), new in zip(self.timeouts, timeout_values, strict=True):
-            rewards[pos, envs] += self.gamma * np.asarray(new, dtype=np.float32) - old_bootstrap
+        for record, new in zip(self.timeouts, timeout_values, strict=True):
+            step = record.timeouts
+            rewards[record.pos, step.envs] += self.gamma * np.asarray(new, dtype=np.float32) - step.bootstrap
         compute_gae(
             rewards,
             values,

@@ -7,6 +7,7 @@ action clipping, gSDE noise resampling).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -15,8 +16,9 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.vec_env import VecEnv
 
-from sb3_speedups.ppo.buffers import PreallocatedRollout
+from sb3_speedups.common.timeouts import bootstrap_timeouts
 from sb3_speedups.common.vec_env.stepping import SubsetSteppingMixin
+from sb3_speedups.ppo.buffers import PreallocatedRollout
 from sb3_speedups.errors import UserError
 
 
@@ -30,38 +32,6 @@ class Actor(Protocol):
     def env_actions(self, actions: np.ndarray) -> np.ndarray: ...
 
     def reset_noise(self, n_envs: int) -> None: ...
-
-
-def stack_observations(observations: list[Any]) -> Any:
-    """:return: single observations (arrays or dicts of arrays) stacked into one batch"""
-    if isinstance(observations[0], dict):
-        return {key: np.stack([obs[key] for obs in observations]) for key in observations[0]}
-    return np.stack(observations)
-
-
-def bootstrap_timeouts(
-    actor: Actor, rewards: np.ndarray, dones: np.ndarray, infos: list[dict[str, Any]], gamma: float
-) -> tuple[np.ndarray, Any, np.ndarray] | None:
-    """
-    Add ``gamma * V(terminal observation)`` to the rewards of episodes cut by a time limit (SB3 issue #633), with
-    one batched value call for all of them.
-
-    :return: ``(env indices, their terminal observations, the added bootstrap)``, or ``None`` when there were none
-    """
-    if not dones.any():
-        return None
-    envs = [
-        i
-        for i in np.flatnonzero(dones)
-        if infos[i].get("terminal_observation") is not None and infos[i].get("TimeLimit.truncated", False)
-    ]
-    if not envs:
-        return None
-    terminal_obs = stack_observations([infos[i]["terminal_observation"] for i in envs])
-    index = np.asarray(envs)
-    bootstrap = (gamma * actor.predict_values(terminal_obs)).cpu().numpy()
-    rewards[index] += bootstrap
-    return index, terminal_obs, bootstrap
 
 
 def record_step(
@@ -86,9 +56,9 @@ def record_step(
         return False
     rewards, dones, infos = step_locals["rewards"], step_locals["dones"], step_locals["infos"]
     model._update_info_buffer(infos, dones)
-    timeouts = bootstrap_timeouts(actor, rewards, dones, infos, gamma)
+    timeouts = bootstrap_timeouts(rewards, dones, infos, gamma, lambda envs, obs: actor.predict_values(obs))
     if timeouts is not None:
-        rollout_buffer.add_timeouts(*timeouts)
+        rollout_buffer.add_timeouts(timeouts)
     rollout_buffer.add(
         model._last_obs,  # type: ignore[arg-type]
         step_locals["actions"],
@@ -166,6 +136,16 @@ def _join(parts: list[Any]) -> Any:
     return np.concatenate(parts)
 
 
+@dataclass
+class _Acted:
+    """What the policy did for one half of the envs, whose step is under way."""
+
+    actions: np.ndarray
+    values: th.Tensor
+    log_probs: th.Tensor
+    clipped_actions: np.ndarray
+
+
 def double_buffer_unsupported_reason(model: BaseAlgorithm, env: VecEnv) -> str | None:
     """:return: why :func:`collect_rollout_double_buffered` cannot collect from ``env``, or ``None`` when it can"""
     if not isinstance(env, SubsetSteppingMixin):
@@ -215,11 +195,11 @@ def collect_rollout_double_buffered(
     rollout_buffer.reset()
     callback.on_rollout_start()
 
-    def launch(indices: np.ndarray, obs: Any) -> tuple[np.ndarray, th.Tensor, th.Tensor, np.ndarray]:
+    def launch(indices: np.ndarray, obs: Any) -> _Acted:
         actions, values, log_probs = actor.act(obs)
         clipped = actor.env_actions(actions)
         env.step_async_indices(clipped, indices)
-        return actions, values, log_probs, clipped
+        return _Acted(actions, values, log_probs, clipped)
 
     started = [launch(indices, take(self._last_obs, indices)) for indices in halves]
     while n_steps < n_rollout_steps:
@@ -228,7 +208,8 @@ def collect_rollout_double_buffered(
             results.append(env.step_wait_indices(indices))
             if n_steps + 1 < n_rollout_steps:
                 next_started.append(launch(indices, results[-1][0]))
-        actions, values, log_probs, clipped_actions = (_join(list(part)) for part in zip(*started, strict=True))
+        actions, values = _join([a.actions for a in started]), _join([a.values for a in started])
+        log_probs, clipped_actions = _join([a.log_probs for a in started]), _join([a.clipped_actions for a in started])
         new_obs, rewards, dones, infos = (_join(list(part)) for part in zip(*results, strict=True))
         started = next_started
         if not record_step(self, env, callback, rollout_buffer, actor, gamma, locals()):

@@ -2,21 +2,22 @@
 PPO epochs replayed from a recorded CUDA graph.
 
 A small network's minibatch update is about a hundred tiny kernels, and on a GPU each costs a few microseconds of
-host time to launch, more than the GPU spends running it. Measured on an H200 (CartPole, 64x64 MLP, minibatch 256,
-:class:`~sb3_speedups.ppo.update.ManualPPOUpdate`): one update launched op by op 639 us, slower than the same
-update on one CPU core here (292 us); replayed from a CUDA graph 132 us. :class:`GraphedEpochs` records one epoch
-(the gather of the rollout in the epoch's order, the advantage normalisation and every minibatch update) once, and
-replays it for every later epoch of every rollout.
+host time to launch, more than the GPU spends running it (an op-by-op update on a GPU can be slower than on one CPU
+core). :class:`GraphedEpochs` records one epoch (the gather of the rollout in the epoch's order, the advantage
+normalisation and every minibatch update of ``PPO.train()``'s loop) once, and replays it for every later epoch of
+every rollout.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch as th
 
+from sb3_speedups.common.ppo_loss import STATS, PPOLossConfig
 from sb3_speedups.ppo.minibatches import MinibatchSampler
-from sb3_speedups.ppo.update import STATS, ManualPPOUpdate, PPOLossConfig
+from sb3_speedups.ppo.update import ManualPPOUpdate
 
 
 def graph_key(updater: ManualPPOUpdate, sampler: MinibatchSampler, cfg: PPOLossConfig) -> tuple:
@@ -49,23 +50,18 @@ class GraphedEpochs:
         self.device = sampler.device
         with th.inference_mode(False):
             self.stats = th.empty(sampler.n_minibatches(), len(STATS), device=self.device)
+        #: the epoch's stats rows (views made once), for the minibatch updates to write into
+        self.rows = list(self.stats.unbind(0))
         self.graph: th.cuda.CUDAGraph | None = None
         self.failed: str | None = None
 
-    def _epoch(self, cfg: PPOLossConfig, gather: bool) -> None:
-        if gather:
-            self.sampler.gather()
-        updater = self.updater
-        for i, minibatch in enumerate(self.sampler.minibatches()):
-            updater.forward(minibatch, cfg, self.stats[i])
-            updater.backward()
-            updater.optimizer_step(cfg.max_grad_norm)
-
-    def run_epoch(self, cfg: PPOLossConfig) -> th.Tensor:
+    def run_epoch(self, cfg: PPOLossConfig, minibatch_updates: Callable[[], object]) -> th.Tensor:
         """
         Draw the epoch's order and run the epoch.
 
         :param cfg: the loss's coefficients (the constant ones as recorded)
+        :param minibatch_updates: runs the epoch's minibatch updates op by op, writing their statistics into
+            :attr:`rows` (recorded once, then replayed)
         :return: the epoch's statistics, ``[minibatches, len(STATS)]`` (overwritten by the next epoch)
         """
         sampler = self.sampler
@@ -79,18 +75,22 @@ class GraphedEpochs:
         side = th.cuda.Stream(self.device)
         side.wait_stream(current)
         with th.cuda.stream(side):
-            self._epoch(cfg, must_gather)
+            if must_gather:
+                sampler.gather()
+            minibatch_updates()
         current.wait_stream(side)
         self.key = graph_key(self.updater, sampler, cfg)  # with the epoch buffers the first gather made
         if self.failed is None:
-            self._record(cfg)
+            self._record(minibatch_updates)
         return self.stats
 
-    def _record(self, cfg: PPOLossConfig) -> None:
+    def _record(self, minibatch_updates: Callable[[], object]) -> None:
         graph = th.cuda.CUDAGraph()
         try:
             with th.cuda.graph(graph):
-                self._epoch(cfg, not self.sampler.single)
+                if not self.sampler.single:
+                    self.sampler.gather()
+                minibatch_updates()
         except Exception as exc:  # an op that cannot be recorded: keep running op by op
             self.failed = f"{type(exc).__name__}: {exc}".splitlines()[0]
             warnings.warn(f"sb3_speedups PPO: CUDA graph recording failed, training op by op ({self.failed})", stacklevel=3)

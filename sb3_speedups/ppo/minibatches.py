@@ -24,7 +24,7 @@ OLD_VALUES, OLD_LOG_PROB, ADVANTAGES, RETURNS = range(4)
 
 @dataclass
 class Minibatch:
-    """One minibatch on the training device."""
+    """One minibatch on the training device (samples ``start:end`` of the epoch's order)."""
 
     observations: Observations
     actions: dict[str, th.Tensor]
@@ -32,6 +32,8 @@ class Minibatch:
     old_log_prob: th.Tensor
     advantages: th.Tensor
     returns: th.Tensor
+    start: int = 0
+    end: int = 0
 
 
 def normalize_chunks_(x: th.Tensor, chunk: int) -> None:
@@ -150,8 +152,7 @@ class MinibatchSampler:
 
         :return: whether the data must be gathered again (not for a single minibatch already gathered)
         """
-        # np.random.permutation(n) is arange(n) shuffled in place: the same draws into a kept array cost less
-        # (measured in a CartPole run here: 12.7 us a call for permutation).
+        # np.random.permutation(n) is arange(n) shuffled in place: the same draws into a kept array cost less.
         permutation = self._permutation
         permutation[:] = self._arange
         np.random.shuffle(permutation)
@@ -204,6 +205,8 @@ class MinibatchSampler:
                 s[OLD_LOG_PROB, start:end],
                 s[ADVANTAGES, start:end],
                 s[RETURNS, start:end],
+                start,
+                end,
             )
             if self.single:
                 self._single_batch = batch  # the same views serve every epoch until the data is gathered again

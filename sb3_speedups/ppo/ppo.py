@@ -7,7 +7,10 @@ PPO as in Stable-Baselines3, faster. What differs from stock, and why it is fast
 - ``train()`` shuffles once per epoch (:class:`~sb3_speedups.ppo.minibatches.MinibatchSampler`), keeps the
   statistics on the device until the end, and updates with :class:`~sb3_speedups.ppo.update.ManualPPOUpdate`
   (hand-derived gradients, flat buffers, fused Adam) for MLP policies, else with the autograd
-  :class:`~sb3_speedups.ppo.update.AutogradPPOUpdate`;
+  :class:`~sb3_speedups.ppo.update.AutogradPPOUpdate`; with ``split_update`` the critic's half of every minibatch
+  update runs beside the actor's in a forked helper process (:mod:`sb3_speedups.ppo.split_update`), and on a CUDA
+  device the epochs are replayed from a CUDA graph (:mod:`sb3_speedups.ppo.cuda_graphs`), both plugged into the
+  one epoch loop of ``train()`` (:class:`~sb3_speedups.ppo.update.TrainHooks`);
 - torch runs on one CPU thread unless the user chose otherwise (faster and steadier for small networks).
 
 The maths and the defaults are stock SB3's; new options (``recompute_advantages``, ``normalize_advantage="batch"``,
@@ -17,7 +20,9 @@ schedules for ``gamma``/``gae_lambda``) are opt-in.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
@@ -27,31 +32,22 @@ from gymnasium import spaces
 from stable_baselines3.common.buffers import RolloutBuffer
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.preprocessing import is_image_space
-from stable_baselines3.common.utils import FloatSchedule, explained_variance, obs_as_tensor
+from stable_baselines3.common.utils import FloatSchedule, obs_as_tensor
 from stable_baselines3.common.vec_env import VecEnv
 
-from sb3_speedups.ppo.buffers import PreallocatedRollout, fast_buffer_class
-from sb3_speedups.ppo.cuda_graphs import GraphedEpochs, graph_key
-from sb3_speedups.common.nn.training import mlp_unsupported_reason
-from sb3_speedups.common.nn.heads import make_head
 from sb3_speedups.common.acting.actors import LeanActorCritic, ModuleActorCritic
-from sb3_speedups.ppo.minibatches import MinibatchSampler
-from sb3_speedups.ppo.collection import collect_rollout, collect_rollout_double_buffered, double_buffer_unsupported_reason
+from sb3_speedups.common.nn.heads import make_head
 from sb3_speedups.common.nn.optim import adam_unsupported_reason
-from sb3_speedups.ppo.update import (
-    CLIP_FRACTION,
-    ENTROPY_LOSS,
-    NEG_PG,
-    STATS,
-    VALUE_LOSS,
-    AutogradPPOUpdate,
-    ManualPPOUpdate,
-    PPOLossConfig,
-    approx_kl,
-)
-from sb3_speedups.ppo.split_update import SplitPPOUpdate, deferred_sigint, split_unsupported_reason
+from sb3_speedups.common.nn.training import mlp_unsupported_reason
+from sb3_speedups.common.ppo_loss import STATS, PPOLossConfig, kl_stops, record_train_stats, start_train
 from sb3_speedups.common.torch_utils import apply_num_threads
 from sb3_speedups.errors import UserValueError
+from sb3_speedups.ppo.buffers import PreallocatedRollout, fast_buffer_class
+from sb3_speedups.ppo.collection import collect_rollout, collect_rollout_double_buffered, double_buffer_unsupported_reason
+from sb3_speedups.ppo.cuda_graphs import GraphedEpochs, graph_key
+from sb3_speedups.ppo.minibatches import Minibatch, MinibatchSampler
+from sb3_speedups.ppo.split_update import SplitPPOUpdate, split_unsupported_reason
+from sb3_speedups.ppo.update import AutogradPPOUpdate, ManualPPOUpdate
 
 SelfPPO = TypeVar("SelfPPO", bound="PPO")
 
@@ -285,7 +281,7 @@ class PPO(stable_baselines3.PPO):
             return updater.predict_values(updater.training_observations(obs_as_tensor(obs, self.device))).cpu().numpy()
 
         values = updater.predict_values(sampler.observations).cpu().numpy().reshape(self.n_steps, self.n_envs)
-        timeouts = [values_of(obs) for _, _, obs, _ in buffer.timeouts]
+        timeouts = [values_of(record.timeouts.observations) for record in buffer.timeouts]
         buffer.recompute_returns_and_advantage(values, values_of(buffer.last_observations), timeouts)
         sampler.set_targets(buffer.flat("advantages"), buffer.flat("returns"))
 
@@ -295,90 +291,51 @@ class PPO(stable_baselines3.PPO):
             return super().train()
         speed = self._ensure_speedups()
         sampler = self._sampler(speed)
-        self.policy.set_training_mode(True)
-        self._update_learning_rate(self.policy.optimizer)
-        progress = self._current_progress_remaining
-        clip_range = float(self.clip_range(progress))  # type: ignore[operator]
-        clip_range_vf = None if self.clip_range_vf is None else float(self.clip_range_vf(progress))  # type: ignore[operator]
-        cfg = PPOLossConfig(clip_range, clip_range_vf, float(self.ent_coef), float(self.vf_coef), float(self.max_grad_norm))
+        cfg = start_train(self)
         self._load_rollout(speed, sampler)
         stats = th.empty(self.n_epochs * math.ceil(sampler.n / self.batch_size), len(STATS), device=self.device)
-        # The hand-derived update needs no autograd: without its dispatch every op is cheaper (measured here, one
-        # CartPole minibatch update 673 -> 615 us). Its cached buffers are allocated as normal tensors all the same.
+        # The hand-derived update needs no autograd: without its dispatch every op is cheaper. Its cached buffers are
+        # allocated as normal tensors all the same.
         with th.inference_mode(isinstance(speed.updater, ManualPPOUpdate)):
             rows, last_epoch_start = self._run_epochs(speed, sampler, cfg, stats)
-        self._log_train(stats[:rows].cpu().numpy().astype(np.float64), last_epoch_start, cfg)
+        record_train_stats(self, stats[:rows], last_epoch_start, cfg)
 
     def _run_epochs(
         self, speed: _Speedups, sampler: MinibatchSampler, cfg: PPOLossConfig, stats: th.Tensor
     ) -> tuple[int, int]:
-        """:return: the minibatch updates done and the index of the last epoch's first one"""
+        """
+        The epochs of minibatch updates, for every updater: what an updater adds (the split update's helper process)
+        comes through its :class:`~sb3_speedups.ppo.update.TrainHooks`; with CUDA graphs an epoch is a replay.
+
+        :return: the minibatch updates done and the index of the last epoch's first one
+        """
+        updater = speed.updater
         graphs = self._graphed_epochs(speed, sampler, cfg)
-        if graphs is not None:
-            return self._run_graphed_epochs(speed, sampler, graphs, cfg, stats)
-        if isinstance(speed.updater, ManualPPOUpdate):
-            speed.updater.use_host_scalars()
-        if isinstance(speed.updater, SplitPPOUpdate):
-            return self._run_split_epochs(speed.updater, sampler, cfg, stats)
-        rows, last_epoch_start, continue_training = 0, 0, True
-        for epoch in range(self.n_epochs):
-            if self.recompute_advantages and epoch > 0:
-                self._recompute_advantages(speed, sampler)
-            sampler.shuffle()
-            last_epoch_start = rows
-            for minibatch in sampler.minibatches():
-                speed.updater.forward(minibatch, cfg, stats[rows])
-                rows += 1
-                if self._kl_stops(stats[rows - 1], epoch):
-                    continue_training = False
-                    break
-                speed.updater.backward()
-                speed.updater.optimizer_step(cfg.max_grad_norm)
-            self._n_updates += 1
-            if not continue_training:
-                break
-        return rows, last_epoch_start
-
-    def _kl_stops(self, row: th.Tensor, epoch: int) -> bool:
-        """:return: whether ``target_kl`` stops the epochs after the minibatch of this stats row (as stock SB3)"""
-        if self.target_kl is None:
-            return False
-        kl = float(approx_kl(row.double()))
-        if kl <= 1.5 * self.target_kl:
-            return False
-        if self.verbose >= 1:
-            print(f"Early stopping at step {epoch} due to reaching max kl: {kl:.2f}")
-        return True
-
-    def _run_split_epochs(
-        self, updater: SplitPPOUpdate, sampler: MinibatchSampler, cfg: PPOLossConfig, stats: th.Tensor
-    ) -> tuple[int, int]:
-        """:meth:`_run_epochs` with the critic's half of each minibatch in the helper process."""
-        assert isinstance(sampler.observations, th.Tensor)
-        rows, last_epoch_start, continue_training = 0, 0, True
-        bounds = [(start, min(start + self.batch_size, sampler.n)) for start in range(0, sampler.n, self.batch_size)]
+        begin_minibatch = updater.begin_minibatch if updater.minibatch_hook else None
         stat_rows = stats.unbind(0)  # the row views at once, not one indexing per minibatch
+        rows = last_epoch_start = 0
         try:
-            with deferred_sigint() as interrupted:
-                updater.begin_train(sampler.observations, sampler.scalars, cfg, stats.shape[0])
+            with updater.train_guard() as interrupted:
+                updater.begin_train(sampler, cfg, stats.shape[0])
                 for epoch in range(self.n_epochs):
-                    if sampler.draw():
-                        sampler.gather()
-                        updater.gathered(sampler.index)
+                    if self.recompute_advantages and epoch > 0:
+                        self._recompute_advantages(speed, sampler)
                     last_epoch_start = rows
-                    for (start, end), minibatch in zip(bounds, sampler.minibatches(), strict=True):
-                        updater.begin_minibatch(start, end, rows)
-                        updater.forward(minibatch, cfg, stat_rows[rows])
-                        rows += 1
-                        if self._kl_stops(stat_rows[rows - 1], epoch):
-                            continue_training = False
-                            break
-                        updater.backward()
-                        updater.optimizer_step(cfg.max_grad_norm)
-                        if interrupted:
-                            break
+                    if graphs is None:
+                        if sampler.draw():
+                            sampler.gather()
+                            updater.gathered(sampler.index)
+                        done, stop = self._minibatch_updates(
+                            updater, sampler, cfg, stat_rows[rows:], rows, epoch, begin_minibatch, interrupted
+                        )
+                    else:
+                        replayed = partial(self._minibatch_updates, updater, sampler, cfg, graphs.rows, 0, epoch)
+                        epoch_stats = graphs.run_epoch(cfg, replayed)
+                        done, stop = epoch_stats.shape[0], False
+                        stats[rows : rows + done].copy_(epoch_stats)
+                    rows += done
                     self._n_updates += 1
-                    if not continue_training or interrupted:
+                    if stop:
                         break
                 updater.end_train(stats, rows)
         except BaseException:
@@ -386,9 +343,44 @@ class PPO(stable_baselines3.PPO):
             raise
         return rows, last_epoch_start
 
+    def _minibatch_updates(
+        self,
+        updater: ManualPPOUpdate | AutogradPPOUpdate,
+        sampler: MinibatchSampler,
+        cfg: PPOLossConfig,
+        stat_rows: Sequence[th.Tensor],
+        first_row: int,
+        epoch: int,
+        begin_minibatch: Callable[[Minibatch, int], None] | None = None,
+        interrupted: Sequence[int] = (),
+    ) -> tuple[int, bool]:
+        """
+        One epoch's minibatch updates, the statistics of the ``i``-th into ``stat_rows[i]``.
+
+        :return: how many were done, and whether training stops (``target_kl``, or a deferred Ctrl-C)
+        """
+        done = 0
+        for minibatch, row in zip(sampler.minibatches(), stat_rows, strict=False):
+            if begin_minibatch is not None:
+                begin_minibatch(minibatch, first_row + done)
+            updater.forward(minibatch, cfg, row)
+            done += 1
+            if kl_stops(self, row, epoch):
+                return done, True
+            updater.backward()
+            updater.optimizer_step(cfg.max_grad_norm)
+            if interrupted:
+                return done, True
+        return done, False
+
     def _graphed_epochs(self, speed: _Speedups, sampler: MinibatchSampler, cfg: PPOLossConfig) -> GraphedEpochs | None:
-        """:return: the recorded epochs to replay, or ``None`` to run op by op (CPU, autograd update, ``target_kl``)"""
+        """
+        :return: the recorded epochs to replay (the updater then reads its scheduled numbers from device scalars), or
+            ``None`` to run op by op (CPU, autograd update, ``target_kl``)
+        """
         updater = speed.updater
+        if isinstance(updater, ManualPPOUpdate):
+            updater.use_host_scalars()
         if not (self.cuda_graphs and self.device.type == "cuda" and isinstance(updater, ManualPPOUpdate)):
             return None
         if self.target_kl is not None or not sampler.per_epoch_obs:
@@ -400,38 +392,3 @@ class PPO(stable_baselines3.PPO):
         if graphs is None or graphs.key != graph_key(updater, sampler, cfg):
             graphs = speed.graphs = GraphedEpochs(updater, sampler)
         return graphs
-
-    def _run_graphed_epochs(
-        self, speed: _Speedups, sampler: MinibatchSampler, graphs: GraphedEpochs, cfg: PPOLossConfig, stats: th.Tensor
-    ) -> tuple[int, int]:
-        rows = last_epoch_start = 0
-        for epoch in range(self.n_epochs):
-            if self.recompute_advantages and epoch > 0:
-                self._recompute_advantages(speed, sampler)
-            epoch_stats = graphs.run_epoch(cfg)
-            last_epoch_start, rows = rows, rows + epoch_stats.shape[0]
-            stats[last_epoch_start:rows].copy_(epoch_stats)
-            self._n_updates += 1
-        return rows, last_epoch_start
-
-    def _log_train(self, stats: np.ndarray, last_epoch_start: int, cfg: PPOLossConfig) -> None:
-        """Record what stock SB3 records (one host sync per ``train()`` for all of it)."""
-        means = stats.mean(axis=0)
-        last = stats[-1]
-        buffer = self.rollout_buffer
-        self.logger.record("train/entropy_loss", float(means[ENTROPY_LOSS]))
-        self.logger.record("train/policy_gradient_loss", float(-means[NEG_PG]))
-        self.logger.record("train/value_loss", float(means[VALUE_LOSS]))
-        self.logger.record("train/approx_kl", float(approx_kl(stats[last_epoch_start:]).mean()))
-        self.logger.record("train/clip_fraction", float(means[CLIP_FRACTION]))
-        loss = -last[NEG_PG] + cfg.ent_coef * last[ENTROPY_LOSS] + cfg.vf_coef * last[VALUE_LOSS]
-        self.logger.record("train/loss", float(loss))
-        self.logger.record(
-            "train/explained_variance", float(explained_variance(buffer.values.flatten(), buffer.returns.flatten()))
-        )
-        if hasattr(self.policy, "log_std"):
-            self.logger.record("train/std", th.exp(self.policy.log_std).mean().item())
-        self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
-        self.logger.record("train/clip_range", cfg.clip_range)
-        if cfg.clip_range_vf is not None:
-            self.logger.record("train/clip_range_vf", cfg.clip_range_vf)

@@ -1,56 +1,143 @@
 """
-One PPO minibatch update, two ways with one interface (``forward`` -> ``backward`` -> ``optimizer_step``):
+One PPO minibatch update, two ways with one interface (``forward`` -> ``backward`` -> ``optimizer_step``), both
+computing the loss of :mod:`sb3_speedups.common.ppo_loss` and writing its statistics (:data:`STATS`, means over the
+minibatch) into a row of a tensor without a host sync:
 
 - :class:`ManualPPOUpdate`: the standard MLP case with the loss's gradient derived by hand (no autograd graph),
-  every intermediate in a preallocated buffer, gradients straight into one flat buffer, one fused Adam step.
-- :class:`AutogradPPOUpdate`: any ``ActorCriticPolicy`` through autograd, with the same flat fused Adam when the
+  every intermediate in a preallocated buffer, gradients straight into one flat buffer, one fused Adam step. Its
+  actor half (surrogate and entropy: actor parameters only) and critic half (value loss: critic parameters only) are
+  separate methods, which :class:`~sb3_speedups.ppo.split_update.SplitPPOUpdate` runs in two processes.
+- :class:`AutogradPPOUpdate`: any ``ActorCriticPolicy`` through autograd, with the flat fused Adam when the
   optimizer allows it, and the distribution maths of :mod:`sb3_speedups.common.nn.heads` where the policy is standard.
 
-Both compute exactly SB3's loss: clipped surrogate, optionally clipped value loss, entropy bonus. ``forward`` writes
-the minibatch's statistics (:data:`STATS`, means over the minibatch) into a row of a tensor without a host sync.
-The loss, its gradients and the tests that check them: see docs/maths.md, "PPO loss".
+The loss, its hand-derived gradients and the tests that check them: see docs/maths.md, "PPO loss".
+
+PPO's ``train()`` runs one loop for both (and for the split update and CUDA graphs); :class:`TrainHooks` is what an
+update may plug into it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch as th
-import torch.nn.functional as F
 from gymnasium import spaces
 from stable_baselines3.common.policies import ActorCriticPolicy
 
-from sb3_speedups.common.nn.training import ActorCriticMlp
-from sb3_speedups.common.nn.heads import ActionHead
 from sb3_speedups.common.acting.actors import lean_head, policy_latents
-from sb3_speedups.ppo.minibatches import Minibatch
-from sb3_speedups.common.nn.optim import FlatAdam, FlatParameters, adam_unsupported_reason
+from sb3_speedups.common.nn.heads import ActionHead
+from sb3_speedups.common.nn.optim import FlatAdam, FlatOptimizerStep
+from sb3_speedups.common.nn.training import ActorCriticMlp
+from sb3_speedups.common.ppo_loss import (
+    CLIP_FRACTION,
+    ENTROPY_LOSS,
+    LOG_RATIO,
+    NEG_PG,
+    RATIO,
+    STATS,
+    VALUE_LOSS,
+    PPOLossConfig,
+    approx_kl,
+    ppo_loss,
+)
+from sb3_speedups.ppo.minibatches import Minibatch, MinibatchSampler
 
-#: per-minibatch statistics, in the order of a stats row: ``policy_gradient_loss`` is stored negated (``mean(min)``),
-#: and SB3's ``approx_kl = mean(ratio - 1 - log_ratio)`` as ``mean(ratio)`` and ``mean(log_ratio)`` (see :func:`approx_kl`)
-STATS = ("neg_policy_gradient_loss", "clip_fraction", "ratio", "log_ratio", "value_loss", "entropy_loss")
-NEG_PG, CLIP_FRACTION, RATIO, LOG_RATIO, VALUE_LOSS, ENTROPY_LOSS = range(len(STATS))
+__all__ = ["STATS", "VALUE_LOSS", "AutogradPPOUpdate", "ManualPPOUpdate", "PPOLossConfig", "TrainHooks", "approx_kl"]
 
 
-def approx_kl(stats: Any) -> Any:
-    """:return: SB3's approximate KL divergence from stats rows (numpy array or tensor, last dimension :data:`STATS`)"""
-    return stats[..., RATIO] - 1.0 - stats[..., LOG_RATIO]
+class TrainHooks:
+    """
+    What ``PPO.train()``'s epoch loop calls on an update besides ``forward``/``backward``/``optimizer_step``; all
+    no-ops here. The loop resolves :meth:`begin_minibatch` once per ``train()`` (see :attr:`minibatch_hook`).
+    """
+
+    #: whether :meth:`begin_minibatch` does anything (the loop skips the call otherwise)
+    minibatch_hook = False
+
+    def train_guard(self) -> AbstractContextManager[list[int]]:
+        """:return: a context around the whole ``train()``; the list it yields is non-empty once the loop must stop"""
+        return nullcontext([])
+
+    def begin_train(self, sampler: MinibatchSampler, cfg: PPOLossConfig, max_rows: int) -> None:
+        """Called once the sampler holds the rollout, before the first epoch (``max_rows``: most minibatch updates)."""
+
+    def gathered(self, index: th.Tensor) -> None:
+        """Called after the sampler gathered an epoch's data in the order ``index``."""
+
+    def begin_minibatch(self, mb: Minibatch, row: int) -> None:
+        """Called before ``forward`` of the minibatch whose statistics go to row ``row`` of the ``train()``."""
+
+    def end_train(self, stats: th.Tensor, rows: int) -> None:
+        """Called after the last minibatch update; may complete ``stats[:rows]``."""
+
+    def abandon(self) -> None:
+        """Called instead of :meth:`end_train` when the ``train()`` raised."""
 
 
 @dataclass
-class PPOLossConfig:
-    """The loss's coefficients for one ``train()`` call (schedules already evaluated)."""
+class ManualWorkspace:
+    """A minibatch size's per-sample buffers of :class:`ManualPPOUpdate`, allocated once."""
 
-    clip_range: float
-    clip_range_vf: float | None
-    ent_coef: float
-    vf_coef: float
-    max_grad_norm: float
+    n: int
+    #: ``[len(STATS), n]``: the per-sample terms whose means make a stats row
+    rows: th.Tensor
+    #: ``rows[k]`` for each statistic ``k``, views made once
+    stat_rows: list[th.Tensor]
+    log_prob: th.Tensor
+    clipped: th.Tensor
+    s1: th.Tensor
+    s2: th.Tensor
+    err: th.Tensor
+    dv: th.Tensor
+    dv_clipped: th.Tensor
+    g_log_prob: th.Tensor
+    mask: th.Tensor
+    vmask: th.Tensor
+    zeros: th.Tensor
+    mean_weights: th.Tensor
+    #: ``[n, 1]`` d loss / d V, and its flat view
+    g_values: th.Tensor
+    g_values_flat: th.Tensor
+    #: the action head's own workspace
+    head: Any
+
+    @classmethod
+    @th.inference_mode(False)
+    def allocate(cls, n: int, device: th.device, head: ActionHead) -> ManualWorkspace:
+        """Normal tensors even when allocated under inference mode (train() runs there), so they work in any mode."""
+        # zeros: the split update's actor process never writes the value loss's row, whose mean must then be 0
+        rows = th.zeros(len(STATS), n, device=device)
+        g_values = th.empty(n, 1, device=device)
+
+        def vector() -> th.Tensor:
+            return th.empty(n, device=device)
+
+        return cls(
+            n=n,
+            rows=rows,
+            stat_rows=list(rows),
+            log_prob=vector(),
+            clipped=vector(),
+            s1=vector(),
+            s2=vector(),
+            err=vector(),
+            dv=vector(),
+            dv_clipped=vector(),
+            g_log_prob=vector(),
+            mask=vector(),
+            vmask=th.empty(n, dtype=th.bool, device=device),
+            zeros=th.zeros(n, device=device),
+            mean_weights=th.full((n,), 1.0 / n, device=device),
+            g_values=g_values,
+            g_values_flat=g_values.view(-1),
+            head=head.workspace(n, device),
+        )
 
 
-class ManualPPOUpdate:
+class ManualPPOUpdate(TrainHooks):
     """
     Hand-derived PPO update of an MLP ``ActorCriticPolicy``; building it moves the policy's parameters into one
     flat buffer (:class:`~sb3_speedups.common.nn.optim.FlatParameters`) and its Adam state into :class:`FlatAdam`.
@@ -67,9 +154,11 @@ class ManualPPOUpdate:
         self.net = ActorCriticMlp(policy, split=split)
         self.flat = self.net.flat
         self.adam = FlatAdam(self.flat, policy.optimizer)
-        self._ws: dict[int, dict[str, Any]] = {}
+        self._ws: dict[int, ManualWorkspace] = {}
         self._device_scalars: th.Tensor | None = None
         self._scalars: th.Tensor | None = None  # the device scalars while they are in use
+        self._pending: ManualWorkspace | None = None  # the last forward's, for backward
+        self._pending_ent_coef = 0.0
 
     def set_device_scalars(self, cfg: PPOLossConfig, lr: float) -> None:
         """
@@ -77,8 +166,7 @@ class ManualPPOUpdate:
 
         A recorded CUDA graph keeps the numbers it was recorded with; read from a tensor, values that schedules
         change from one ``train()`` to the next reach every replay. (On the CPU, Adam then reads the learning rate as
-        float32 instead of double: a last-bit difference in the step; on CUDA the replays were measured bit-identical
-        to the op-by-op run.)
+        float32 instead of double: a last-bit difference in the step.)
 
         :param cfg: the loss's coefficients (``clip_range``, ``clip_range_vf`` are read)
         :param lr: the learning rate
@@ -106,44 +194,34 @@ class ManualPPOUpdate:
         """:return: the observations as the network's float input ``[N, obs_dim]``"""
         return observations.reshape(observations.shape[0], -1).float()
 
-    @th.inference_mode(False)
-    def _workspace(self, n: int, device: th.device) -> dict[str, Any]:
-        # Normal tensors even when allocated under inference mode (train() runs there), so they work in any mode.
-        if n not in self._ws:
-            ws: dict[str, Any] = {"rows": th.empty(len(STATS), n, device=device)}
-            for name in ("log_prob", "clipped", "s1", "s2", "err", "dv", "dv_clipped", "g_log_prob", "mask"):
-                ws[name] = th.empty(n, device=device)
-            ws["zeros"] = th.zeros(n, device=device)
-            ws["mean_weights"] = th.full((n,), 1.0 / n, device=device)
-            ws["g_values"] = th.empty(n, 1, device=device)
-            ws["g_values_flat"] = ws["g_values"].view(-1)
-            ws["row"] = list(ws["rows"])  # views of each statistic's row, made once
-            ws["vmask"] = th.empty(n, dtype=th.bool, device=device)
-            ws["head"] = self.head.workspace(n, device)
-            self._ws[n] = ws
-        return self._ws[n]
+    def workspace(self, n: int, device: th.device) -> ManualWorkspace:
+        """:return: the buffers for minibatches of ``n`` samples (allocated on first use)"""
+        ws = self._ws.get(n)
+        if ws is None:
+            ws = self._ws[n] = ManualWorkspace.allocate(n, device, self.head)
+        return ws
 
     def forward(self, mb: Minibatch, cfg: PPOLossConfig, stats: th.Tensor) -> None:
         """Write the loss's statistics into ``stats`` (a row of :data:`STATS`); keep its per-sample gradients."""
         obs = mb.observations
         assert isinstance(obs, th.Tensor)
-        n = obs.shape[0]
-        ws = self._ws.get(n) or self._workspace(n, obs.device)
+        ws = self._ws.get(obs.shape[0]) or self.workspace(obs.shape[0], obs.device)
         out, values = self.net.forward(obs)
-        self._policy_loss(ws, mb, cfg, out)
-        self._value_loss(ws, mb, cfg, values)
-        # The means as one matrix-vector product: th.mean(rows, 1) is a sum and a division, 13.5 us here against ~2.
-        th.mv(ws["rows"], ws["mean_weights"], out=stats)
-        self._policy_loss_gradient(ws, n)
-        self._value_loss_gradient(ws, n, cfg)
-        self._pending = (ws, n, cfg.ent_coef)
+        self.actor_loss(ws, mb, cfg, out)
+        self.critic_loss(ws, values, mb.old_values, mb.returns, cfg)
+        self.write_stats(ws, cfg, stats)
 
-    def _policy_loss(self, ws: dict[str, Any], mb: Minibatch, cfg: PPOLossConfig, out: th.Tensor) -> None:
-        """The clipped surrogate and entropy into the stats rows (all but the value loss's)."""
-        row = ws["row"]
-        self.head.forward(ws["head"], out, mb.actions, self.net.log_std, ws["log_prob"], row[ENTROPY_LOSS])
-        logratio, ratio, clipped, s1, s2 = row[LOG_RATIO], row[RATIO], ws["clipped"], ws["s1"], ws["s2"]
-        th.sub(ws["log_prob"], mb.old_log_prob, out=logratio)
+    def write_stats(self, ws: ManualWorkspace, cfg: PPOLossConfig, stats: th.Tensor) -> None:
+        """Write the means of the per-sample terms into ``stats`` and keep ``ws`` for :meth:`backward`."""
+        th.mv(ws.rows, ws.mean_weights, out=stats)  # all the means as one product: cheaper than sum and divide
+        self._pending, self._pending_ent_coef = ws, cfg.ent_coef
+
+    def actor_loss(self, ws: ManualWorkspace, mb: Minibatch, cfg: PPOLossConfig, out: th.Tensor) -> None:
+        """The actor's half: surrogate and entropy terms into their stats rows, ``d loss / d log_prob`` into ``ws``."""
+        row = ws.stat_rows
+        self.head.forward(ws.head, out, mb.actions, self.net.log_std, ws.log_prob, row[ENTROPY_LOSS])
+        logratio, ratio, clipped, s1, s2 = row[LOG_RATIO], row[RATIO], ws.clipped, ws.s1, ws.s2
+        th.sub(ws.log_prob, mb.old_log_prob, out=logratio)
         th.exp(logratio, out=ratio)
         th.mul(mb.advantages, ratio, out=s1)
         scalars = self._scalars
@@ -154,43 +232,41 @@ class ManualPPOUpdate:
         th.mul(mb.advantages, clipped, out=s2)
         th.minimum(s1, s2, out=row[NEG_PG])
         th.ne(clipped, ratio, out=row[CLIP_FRACTION])
+        th.le(s1, s2, out=ws.mask)
+        th.addcmul(ws.zeros, s1, ws.mask, value=-1.0 / ws.n, out=ws.g_log_prob)
 
-    def _value_loss(self, ws: dict[str, Any], mb: Minibatch, cfg: PPOLossConfig, values: th.Tensor) -> None:
-        """The (optionally clipped) squared value errors into the value loss's stats row."""
-        err, scalars = ws["err"], self._scalars
+    def actor_output_gradient(self, ws: ManualWorkspace, ent_coef: float) -> th.Tensor:
+        """:return: ``d loss / d (actor output)`` of the minibatch of ``ws`` (the log-std's gradient is written too)"""
+        d_out = self.net.d_out_buffer(ws.n)
+        self.head.backward(ws.head, ws.g_log_prob, -ent_coef / ws.n, d_out, self.net.grad_log_std)
+        return d_out
+
+    def critic_loss(
+        self, ws: ManualWorkspace, values: th.Tensor, old_values: th.Tensor, returns: th.Tensor, cfg: PPOLossConfig
+    ) -> None:
+        """The critic's half: squared value errors into the value loss's stats row, ``d loss / d V`` into ``ws``."""
+        err, scalars = ws.err, self._scalars
         if cfg.clip_range_vf is None:
-            th.sub(values, mb.returns, out=err)
+            th.sub(values, returns, out=err)
         else:
-            dv, dv_clipped = ws["dv"], ws["dv_clipped"]
-            th.sub(values, mb.old_values, out=dv)
+            dv, dv_clipped = ws.dv, ws.dv_clipped
+            th.sub(values, old_values, out=dv)
             if scalars is None:
                 th.clamp(dv, -cfg.clip_range_vf, cfg.clip_range_vf, out=dv_clipped)
             else:
                 th.clamp(dv, scalars[2], scalars[3], out=dv_clipped)
-            th.eq(dv, dv_clipped, out=ws["vmask"])  # the clamp passes gradient only inside the range
-            th.add(mb.old_values, dv_clipped, out=err).sub_(mb.returns)
-        th.mul(err, err, out=ws["row"][VALUE_LOSS])
-
-    @staticmethod
-    def _policy_loss_gradient(ws: dict[str, Any], n: int) -> None:
-        # d loss / d log_prob: -A * ratio / n where min() picks the unclipped term, else 0.
-        th.le(ws["s1"], ws["s2"], out=ws["mask"])
-        th.addcmul(ws["zeros"], ws["s1"], ws["mask"], value=-1.0 / n, out=ws["g_log_prob"])
-
-    @staticmethod
-    def _value_loss_gradient(ws: dict[str, Any], n: int, cfg: PPOLossConfig) -> None:
-        g_values = ws["g_values_flat"]
-        th.mul(ws["err"], 2.0 * cfg.vf_coef / n, out=g_values)
+            th.eq(dv, dv_clipped, out=ws.vmask)  # the clamp passes gradient only inside the range
+            th.add(old_values, dv_clipped, out=err).sub_(returns)
+        th.mul(err, err, out=ws.stat_rows[VALUE_LOSS])
+        th.mul(err, 2.0 * cfg.vf_coef / ws.n, out=ws.g_values_flat)
         if cfg.clip_range_vf is not None:
-            g_values.mul_(ws["vmask"])
+            ws.g_values_flat.mul_(ws.vmask)
 
     def backward(self) -> None:
         """Write the gradient of the last :meth:`forward`'s loss into the flat gradient buffer."""
-        ws, n, ent_coef = self._pending
-        d_out = self.net.d_out_buffer(n)
-        # loss = pg - ent_coef * mean(entropy) + ...  ->  d loss / d entropy_i = -ent_coef / n
-        self.head.backward(ws["head"], ws["g_log_prob"], -ent_coef / n, d_out, self.net.grad_log_std)
-        self.net.backward(d_out, ws["g_values"])
+        ws = self._pending
+        assert ws is not None
+        self.net.backward(self.actor_output_gradient(ws, self._pending_ent_coef), ws.g_values)
 
     def optimizer_step(self, max_grad_norm: float) -> None:
         """Clip the gradient's norm and take one Adam step (the clipping happens inside the fused kernel)."""
@@ -201,11 +277,11 @@ class ManualPPOUpdate:
         return self.net.predict_values(self.training_observations(observations))
 
 
-class AutogradPPOUpdate:
+class AutogradPPOUpdate(TrainHooks):
     """
     PPO update through autograd for any ``ActorCriticPolicy``, as SB3 computes it, minus its per-minibatch
     overheads: no distribution objects for standard heads, no host syncs, and (for a plain ``torch.optim.Adam``)
-    one flat gradient buffer, one norm and one fused Adam step.
+    one flat gradient buffer, one norm and one fused Adam step (:class:`FlatOptimizerStep`).
 
     :param policy: the policy
     :param compile_loss: run the loss through ``torch.compile`` (pays only for long runs; off by default)
@@ -214,23 +290,16 @@ class AutogradPPOUpdate:
     def __init__(self, policy: ActorCriticPolicy, compile_loss: bool = False) -> None:
         self.policy = policy
         self.head = lean_head(policy)
-        params = list(policy.parameters())
-        self.flat: FlatParameters | None = None
-        self.adam: FlatAdam | None = None
-        if adam_unsupported_reason(policy.optimizer, params) is None:
-            self.flat = FlatParameters(params)
-            self.adam = FlatAdam(self.flat, policy.optimizer)
-            self._attach_grads()
-        self._optimizer = policy.optimizer
+        self.step = FlatOptimizerStep(policy, policy.optimizer)
+        self.flat, self.adam = self.step.flat, self.step.adam
         self._discrete = isinstance(policy.action_space, spaces.Discrete)
         loss_fn: Callable[..., tuple[th.Tensor, th.Tensor]] = self._loss
         self._loss_fn = th.compile(loss_fn) if compile_loss else loss_fn
+        self._pending: th.Tensor | None = None
 
     def is_bound(self) -> bool:
         """:return: whether the policy's parameters, gradients and optimizer state are still ours"""
-        if self.policy.optimizer is not self._optimizer:
-            return False
-        return self.flat is None or (self.flat.is_bound() and self.adam is not None and self.adam.is_bound())
+        return self.step.is_bound(self.policy.optimizer)
 
     def training_actions(self, actions: th.Tensor) -> dict[str, th.Tensor]:
         return {"actions": actions}
@@ -249,22 +318,7 @@ class AutogradPPOUpdate:
 
     def _loss(self, mb: Minibatch, cfg: PPOLossConfig) -> tuple[th.Tensor, th.Tensor]:
         values, log_prob, entropy = self._evaluate(mb.observations, mb.actions["actions"])
-        logratio = log_prob - mb.old_log_prob
-        ratio = th.exp(logratio)
-        s1 = mb.advantages * ratio
-        s2 = mb.advantages * th.clamp(ratio, 1 - cfg.clip_range, 1 + cfg.clip_range)
-        neg_pg = th.min(s1, s2).mean()
-        if cfg.clip_range_vf is None:
-            values_pred = values
-        else:
-            values_pred = mb.old_values + th.clamp(values - mb.old_values, -cfg.clip_range_vf, cfg.clip_range_vf)
-        value_loss = F.mse_loss(mb.returns, values_pred)
-        entropy_loss = -th.mean(-log_prob) if entropy is None else -th.mean(entropy)
-        loss = -neg_pg + cfg.ent_coef * entropy_loss + cfg.vf_coef * value_loss
-        with th.no_grad():
-            clip_fraction = th.mean((th.abs(ratio - 1) > cfg.clip_range).float())
-            stats = th.stack([neg_pg, clip_fraction, ratio.mean(), logratio.mean(), value_loss, entropy_loss]).detach()
-        return loss, stats
+        return ppo_loss(log_prob, entropy, values, mb.old_log_prob, mb.advantages, mb.old_values, mb.returns, cfg)
 
     def forward(self, mb: Minibatch, cfg: PPOLossConfig, stats: th.Tensor) -> None:
         """Compute the loss (kept for :meth:`backward`) and write its statistics into ``stats``."""
@@ -273,31 +327,13 @@ class AutogradPPOUpdate:
 
     def backward(self) -> None:
         """Back-propagate the last :meth:`forward`'s loss into the gradients."""
-        if self.flat is None:
-            self.policy.optimizer.zero_grad()
-        else:
-            self.flat.grad.zero_()
-        self._pending.backward()
-        del self._pending
-        if self.flat is not None and any(p.grad is not g for p, g in zip(self.flat.params, self._grad_views, strict=True)):
-            # Someone set the gradients to None (``optimizer.zero_grad()``): take autograd's and re-attach.
-            for p in self.flat.params:
-                if p.grad is not None:
-                    self.flat.grad_of(p).copy_(p.grad)
-            self._attach_grads()
-
-    def _attach_grads(self) -> None:
-        assert self.flat is not None
-        self.flat.attach_grads()
-        self._grad_views = [p.grad for p in self.flat.params]
+        assert self._pending is not None
+        self.step.backward(self._pending)
+        self._pending = None
 
     def optimizer_step(self, max_grad_norm: float) -> None:
         """Clip the gradient's norm and take one optimizer step."""
-        if self.flat is None or self.adam is None:
-            th.nn.utils.clip_grad_norm_(self.policy.parameters(), max_grad_norm)
-            self.policy.optimizer.step()
-            return
-        self.adam.step(self.flat.clip_divisor(max_grad_norm))
+        self.step.step(max_grad_norm)
 
     @th.no_grad()
     def predict_values(self, observations: Any, chunk: int = 4096) -> th.Tensor:

@@ -27,7 +27,7 @@ from torch import nn
 
 from sb3_speedups.common.nn.heads import ActionHead, make_head
 from sb3_speedups.common.acting.actors import LeanMlp, box_env_actions
-from sb3_speedups.ppo.collection import stack_observations
+from sb3_speedups.common.timeouts import bootstrap_timeouts
 
 State = tuple[th.Tensor, th.Tensor]
 
@@ -141,20 +141,13 @@ def bootstrap_recurrent_timeouts(
     states: RNNStates,
     gamma: float,
 ) -> None:
-    """Add ``gamma * V(terminal observation)`` (from the critic's state after the step) to truncated episodes' rewards."""
-    envs = [
-        i
-        for i in np.flatnonzero(dones)
-        if infos[i].get("terminal_observation") is not None and infos[i].get("TimeLimit.truncated", False)
-    ]
-    if not envs:
-        return
-    index = np.asarray(envs)
-    rows = th.as_tensor(index, device=actor.device)
-    state = (states.vf[0][:, rows], states.vf[1][:, rows])
-    terminal_obs = stack_observations([infos[i]["terminal_observation"] for i in envs])
-    values = actor.predict_values(terminal_obs, state, np.zeros(len(envs), dtype=bool))
-    rewards[index] += gamma * values.flatten().cpu().numpy()
+    """:func:`~sb3_speedups.common.timeouts.bootstrap_timeouts` with values from the critic's state after the step."""
+
+    def values_of(envs: np.ndarray, obs: np.ndarray) -> th.Tensor:
+        rows = th.as_tensor(envs, device=actor.device)
+        return actor.predict_values(obs, (states.vf[0][:, rows], states.vf[1][:, rows]), np.zeros(len(envs), dtype=bool))
+
+    bootstrap_timeouts(rewards, dones, infos, gamma, values_of)
 
 
 def collect_recurrent_rollout(

@@ -21,16 +21,16 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import numpy as np
 import sb3_contrib
 import torch as th
 from gymnasium import spaces
 from sb3_contrib.common.recurrent.buffers import RecurrentRolloutBuffer
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.policies import BasePolicy
-from stable_baselines3.common.utils import explained_variance
 from stable_baselines3.common.vec_env import VecEnv
 
+from sb3_speedups.common.nn.optim import FlatOptimizerStep
+from sb3_speedups.common.ppo_loss import kl_stops, record_train_stats, start_train
 from sb3_speedups.common.torch_utils import apply_num_threads
 from sb3_speedups.ppo_recurrent.buffers import FastRecurrentRolloutBuffer
 from sb3_speedups.ppo_recurrent.collection import LeanRecurrentActor, collect_recurrent_rollout, lean_unsupported_reason
@@ -43,7 +43,7 @@ from sb3_speedups.ppo_recurrent.policies import (
     MultiInputGruPolicy,
     MultiInputLstmPolicy,
 )
-from sb3_speedups.ppo_recurrent.training import STATS, FlatOptimizerStep, RecurrentLossConfig, recurrent_ppo_loss
+from sb3_speedups.ppo_recurrent.training import recurrent_ppo_loss
 
 
 class RecurrentPPO(sb3_contrib.RecurrentPPO):
@@ -97,11 +97,7 @@ class RecurrentPPO(sb3_contrib.RecurrentPPO):
 
     def train(self) -> None:
         """sb3-contrib's update (same loss, epochs, minibatches, early stopping and logs), without per-step syncs."""
-        self.policy.set_training_mode(True)
-        self._update_learning_rate(self.policy.optimizer)
-        clip_range = self.clip_range(self._current_progress_remaining)  # type: ignore[operator]
-        clip_range_vf = None if self.clip_range_vf is None else self.clip_range_vf(self._current_progress_remaining)  # type: ignore[operator]
-        cfg = RecurrentLossConfig(clip_range, clip_range_vf, self.ent_coef, self.vf_coef, self.normalize_advantage)
+        cfg = start_train(self)
         step = self._optimizer_step
         if step is None or not step.is_bound(self.policy.optimizer):
             step = self._optimizer_step = FlatOptimizerStep(self.policy, self.policy.optimizer)
@@ -111,32 +107,17 @@ class RecurrentPPO(sb3_contrib.RecurrentPPO):
         for epoch in range(self.n_epochs):
             epoch_start, stop = len(rows), False
             for data in self.rollout_buffer.get(self.batch_size):
-                loss, stats = recurrent_ppo_loss(self.policy, data, cfg, discrete)  # type: ignore[arg-type]
+                loss, stats = recurrent_ppo_loss(self.policy, data, cfg, self.normalize_advantage, discrete)  # type: ignore[arg-type]
                 rows.append(stats)
-                if self.target_kl is not None and stats[STATS.index("approx_kl")].item() > 1.5 * self.target_kl:
+                if kl_stops(self, stats, epoch):
                     stop = True
-                    if self.verbose >= 1:
-                        print(f"Early stopping at step {epoch} due to reaching max kl: {stats[4].item():.2f}")
                     break
-                step.step(loss, self.max_grad_norm)
+                step.backward(loss)
+                step.step(cfg.max_grad_norm)
             self._n_updates += 1
             if stop:
                 break
-        table = th.stack(rows).cpu().numpy()  # the one host sync
-        explained_var = explained_variance(self.rollout_buffer.values.flatten(), self.rollout_buffer.returns.flatten())
-        means = dict(zip(STATS, table.mean(axis=0), strict=True))
-        for name in ("entropy_loss", "policy_gradient_loss", "value_loss"):
-            self.logger.record(f"train/{name}", means[name])
-        self.logger.record("train/approx_kl", float(np.mean(table[epoch_start:, STATS.index("approx_kl")])))
-        self.logger.record("train/clip_fraction", means["clip_fraction"])
-        self.logger.record("train/loss", float(table[-1, STATS.index("loss")]))
-        self.logger.record("train/explained_variance", explained_var)
-        if hasattr(self.policy, "log_std"):
-            self.logger.record("train/std", th.exp(self.policy.log_std).mean().item())
-        self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
-        self.logger.record("train/clip_range", clip_range)
-        if clip_range_vf is not None:
-            self.logger.record("train/clip_range_vf", clip_range_vf)
+        record_train_stats(self, th.stack(rows), epoch_start, cfg)
 
     def save(self, *args: Any, **kwargs: Any) -> None:
         """Save as :meth:`sb3_contrib.RecurrentPPO.save`; LSTM policies are recorded as sb3-contrib's classes."""

@@ -5,15 +5,19 @@ The module keeps its own ``nn.Parameter`` objects (so ``state_dict``, saving and
 their storage moves into one contiguous buffer. Gradient clipping then is one norm, and Adam one fused kernel call,
 instead of a Python loop over every tensor. The ``torch.optim.Adam`` object stays the source of truth for the
 hyperparameters, and its state tensors are views into the flat moment buffers, so ``optimizer.state_dict()`` holds
-exactly what stock Adam would hold.
+exactly what stock Adam would hold. :class:`FlatOptimizerStep` is the step of an autograd loss on them (PPO's
+autograd update, RecurrentPPO).
 """
 
 from __future__ import annotations
 
-import mmap
+import os
 from collections.abc import Sequence
 
 import torch as th
+from torch import nn
+
+from sb3_speedups.common.shared_memory import map_shared
 
 #: element count that :class:`FlatParameters` aligns a parameter to (a multiple of any SIMD width in floats)
 ALIGNMENT = 64
@@ -31,8 +35,9 @@ def shared_zeros(numel: int, dtype: th.dtype = th.float32) -> th.Tensor:
     :return: a zeroed CPU tensor in anonymous shared memory: a process forked later reads and writes the same memory
         (``share_memory_()`` would move an existing storage and leave views made before it behind)
     """
-    nbytes = max(numel * th.empty((), dtype=dtype).element_size(), 1)
-    return th.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=numel)
+    mapping, fd = map_shared(numel * th.empty((), dtype=dtype).element_size())
+    os.close(fd)
+    return th.frombuffer(mapping, dtype=dtype, count=numel)
 
 
 class FlatParameters:
@@ -128,8 +133,8 @@ class FlatParameters:
         :param max_norm: the largest allowed total 2-norm
         :return: what to divide the gradient by to clip it as ``torch.nn.utils.clip_grad_norm_`` does: a 0-dim
             tensor, at least 1. On a GPU it is computed there (no host sync). On the CPU the norm is read on the host,
-            where the rest is cheaper than four 0-dim kernels (measured here: ~7 us against ~17 us a step), and
-            ``None`` comes back when the gradient needs no clipping.
+            where the rest is cheaper than four 0-dim kernels, and ``None`` comes back when the gradient needs no
+            clipping.
         """
         norm = th.linalg.vector_norm(self.grad)
         if self.grad.device.type != "cpu":
@@ -285,12 +290,10 @@ class FlatAdam:
         Set the moments' subnormal entries (below 1.2e-38 in size) to zero.
 
         A unit that stops receiving gradient (a dead ReLU) has its first moment decay by ``beta1`` each step into the
-        subnormal range, where the CPU's arithmetic is many times slower: measured here on DQN LunarLander after 20k
-        steps, 19,667 of 69,124 entries subnormal and one fused Adam step 319 us against 51 us without them (1 thread).
-        Flushed, such an entry is exactly zero and stays so. The parameters do not change: the step of an entry is
-        ``lr * m_hat / (sqrt(v_hat) + eps)``; with ``eps >= 1e-10`` (:data:`FLUSH_MIN_EPS`) a subnormal ``m`` moves a
-        parameter by less than 1e-27, and a subnormal ``v`` (square root below 1.1e-19) changes the denominator by
-        less than float32's rounding.
+        subnormal range, where the CPU's arithmetic is many times slower. Flushed, such an entry is exactly zero and
+        stays so. The parameters do not change: the step of an entry is ``lr * m_hat / (sqrt(v_hat) + eps)``; with
+        ``eps >= 1e-10`` (:data:`FLUSH_MIN_EPS`) a subnormal ``m`` moves a parameter by less than 1e-27, and a
+        subnormal ``v`` (square root below 1.1e-19) changes the denominator by less than float32's rounding.
 
         :param part: flush only this range of the flat buffers (default: all)
         """
@@ -298,3 +301,58 @@ class FlatAdam:
         for moment in (self.exp_avg, self.exp_avg_sq):
             bits = moment.view(th.int32) if part is None else moment[part].view(th.int32)
             bits.masked_fill_(bits.bitwise_and(_EXPONENT_BITS).eq(0), 0)
+
+
+class FlatOptimizerStep:
+    """
+    ``zero_grad`` / ``backward`` / ``clip_grad_norm_`` / ``optimizer.step`` for an autograd loss, with one flat
+    gradient buffer and one fused Adam step when the optimizer is a plain ``torch.optim.Adam`` (otherwise the stock
+    calls). Autograd accumulates straight into the flat gradient buffer (``param.grad`` are views of it).
+
+    :param module: the module whose parameters the optimizer holds
+    :param optimizer: its optimizer (its ``param_groups`` stay the source of the learning rate)
+    """
+
+    def __init__(self, module: nn.Module, optimizer: th.optim.Optimizer) -> None:
+        self.module, self.optimizer = module, optimizer
+        params = list(module.parameters())
+        self.flat: FlatParameters | None = None
+        self.adam: FlatAdam | None = None
+        if adam_unsupported_reason(optimizer, params) is None:
+            self.flat = FlatParameters(params)
+            self.adam = FlatAdam(self.flat, optimizer)
+            self._attach()
+
+    def _attach(self) -> None:
+        assert self.flat is not None
+        self.flat.attach_grads()
+        self._views = [p.grad for p in self.flat.params]
+
+    def is_bound(self, optimizer: th.optim.Optimizer) -> bool:
+        """:return: whether ``optimizer`` is still ours and the parameters and its state still live in our buffers"""
+        if optimizer is not self.optimizer:
+            return False
+        return self.flat is None or (self.flat.is_bound() and self.adam is not None and self.adam.is_bound())
+
+    def backward(self, loss: th.Tensor) -> None:
+        """Back-propagate ``loss`` into zeroed gradients."""
+        if self.flat is None:
+            self.optimizer.zero_grad()
+            loss.backward()
+            return
+        self.flat.grad.zero_()
+        loss.backward()
+        if any(p.grad is not g for p, g in zip(self.flat.params, self._views, strict=True)):
+            # the gradients were set to None or replaced (``optimizer.zero_grad()``): take them over and re-attach
+            for p in self.flat.params:
+                if p.grad is not None:
+                    self.flat.grad_of(p).copy_(p.grad)
+            self._attach()
+
+    def step(self, max_grad_norm: float) -> None:
+        """Clip the gradient's norm to ``max_grad_norm`` and take one optimizer step."""
+        if self.flat is None or self.adam is None:
+            th.nn.utils.clip_grad_norm_(self.module.parameters(), max_grad_norm)
+            self.optimizer.step()
+            return
+        self.adam.step(self.flat.clip_divisor(max_grad_norm))

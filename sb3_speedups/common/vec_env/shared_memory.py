@@ -4,24 +4,14 @@ from __future__ import annotations
 
 import mmap
 import os
-import tempfile
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from sb3_speedups.common.shared_memory import map_shared
+
 _ALIGN = 64  # one cache line: arrays written by different processes never share a line
-
-
-def _anonymous_fd(nbytes: int) -> int:
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("sb3_speedups", os.MFD_CLOEXEC)
-    else:  # pragma: no cover  (non-Linux: a file that is unlinked at once, so it cannot outlive us either)
-        shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, name = tempfile.mkstemp(prefix="sb3_speedups-", dir=shm_dir)
-        os.unlink(name)
-    os.ftruncate(fd, max(nbytes, 1))
-    return fd
 
 
 @dataclass(frozen=True)
@@ -60,8 +50,8 @@ class SharedArrays:
             self.offsets[spec.name] = offset
             offset += -(-spec.nbytes // _ALIGN) * _ALIGN
         self.nbytes = offset
-        self.fd = _anonymous_fd(self.nbytes) if fd is None else fd
-        self._mmap: mmap.mmap | None = mmap.mmap(self.fd, max(self.nbytes, 1))
+        mapping, self.fd = map_shared(self.nbytes, fd)
+        self._mmap: mmap.mmap | None = mapping
         self.arrays: dict[str, np.ndarray] = {
             spec.name: np.ndarray(spec.shape, dtype=spec.dtype, buffer=self._mmap, offset=self.offsets[spec.name])
             for spec in self.specs
