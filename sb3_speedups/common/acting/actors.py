@@ -34,17 +34,6 @@ from sb3_speedups.common.nn.actor_critic import flat_layout, parse_actor_critic
 from sb3_speedups.common.nn.heads import ActionHead, make_head
 from sb3_speedups.common.nn.mlp import stack
 
-__all__ = [
-    "LeanActorCritic",
-    "LeanMlp",
-    "ModuleActorCritic",
-    "ParameterMirror",
-    "box_env_actions",
-    "copy_policy",
-    "lean_head",
-    "policy_latents",
-]
-
 
 class ParameterMirror:
     """

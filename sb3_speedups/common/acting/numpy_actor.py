@@ -76,6 +76,8 @@ class NumpyActorCritic:
     def __init__(self, chains: list[NumpyMlp], action_net: NumpyMlp, value_net: NumpyMlp) -> None:
         self.chains, self.action_net, self.value_net = chains, action_net, value_net
         self.max_layer_size = max(net.max_layer_size for net in [*chains, action_net, value_net])
+        # the heads' (weight_t, bias), applied without a call of the whole net
+        self._action, self._value = action_net.layers[0][:2], value_net.layers[0][:2]
 
     @classmethod
     def build(cls, chains: list[Mlp], action_net: Mlp, value_net: Mlp) -> NumpyActorCritic | None:
@@ -109,4 +111,4 @@ class NumpyActorCritic:
             latent_pi, latent_vf = latents[0], latents[1]
         else:
             latent_pi, latent_vf = self.chains[0](x), self.chains[1](x)
-        return self.action_net(latent_pi), self.value_net(latent_vf)
+        return _affine(latent_pi, *self._action), _affine(latent_vf, *self._value)
