@@ -16,7 +16,7 @@ from stable_baselines3.common.policies import ActorCriticPolicy
 from stable_baselines3.common.torch_layers import FlattenExtractor
 from torch import nn
 
-from sb3_speedups.common.nn.mlp import NONE, Layer, Mlp, parse_mlp
+from sb3_speedups.common.nn.mlp import NONE, Layer, Mlp, biases, parse_mlp
 
 
 @dataclass(frozen=True)
@@ -45,12 +45,12 @@ class ActorCritic:
 def parse_actor_critic(policy: ActorCriticPolicy) -> ActorCritic | str:
     """:return: the description of ``policy``'s networks on its own parameters, or why they are not plain MLPs"""
     nets = (policy.mlp_extractor.policy_net, policy.mlp_extractor.value_net, policy.action_net, policy.value_net)
-    mlps = [parse_mlp(net) for net in nets]
-    for mlp in mlps:
-        if isinstance(mlp, str):
-            return mlp
-    pi, vf, action, value = mlps
-    return ActorCritic(pi, vf, action, value, getattr(policy, "log_std", None))  # type: ignore[arg-type]
+    parsed = [parse_mlp(net) for net in nets]
+    reasons = [reason for reason in parsed if isinstance(reason, str)]
+    if reasons:
+        return reasons[0]
+    pi, vf, action, value = (mlp for mlp in parsed if not isinstance(mlp, str))
+    return ActorCritic(pi, vf, action, value, getattr(policy, "log_std", None))
 
 
 def mlp_unsupported_reason(policy: nn.Module) -> str | None:
@@ -91,8 +91,8 @@ def flat_layout(ac: ActorCritic, policy: ActorCriticPolicy) -> list[th.Tensor]:
     """
     layout: list[th.Tensor] = []
     if ac.pi.same_shapes(ac.vf):
-        for p, v in zip(ac.pi.layers, ac.vf.layers, strict=True):
-            layout += [p.weight, v.weight, p.bias, v.bias]  # type: ignore[list-item]
+        for p, v, p_bias, v_bias in zip(ac.pi.layers, ac.vf.layers, biases(ac.pi.layers), biases(ac.vf.layers), strict=True):
+            layout += [p.weight, v.weight, p_bias, v_bias]
     else:
         layout += ac.pi.tensors() + ac.vf.tensors()
     layout += ac.action.tensors() + ac.value.tensors()

@@ -5,10 +5,12 @@ at a time, into buffers kept from call to call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch as th
 from torch import nn
 
-from sb3_speedups.common.nn.mlp import Mlp, parse_output_mlp
+from sb3_speedups.common.nn.mlp import Mlp, biases, parse_output_mlp
 
 
 class BufferedMlpForward:
@@ -27,9 +29,12 @@ class BufferedMlpForward:
     """
 
     def __init__(self, mlp: Mlp, rows: int = 1024) -> None:
-        if any(layer.activation.torch_ is None for layer in mlp.layers) or any(layer.bias is None for layer in mlp.layers):
-            raise ValueError("unsupported MLP: every layer needs a bias and an activation with an in-place kernel")
-        self.layers, self.rows = mlp.layers, rows
+        self.weights, self.biases, self.rows = [layer.weight for layer in mlp.layers], biases(mlp.layers), rows
+        self.activations: list[Callable[[th.Tensor], th.Tensor]] = []
+        for layer in mlp.layers:
+            if layer.activation.torch_ is None:
+                raise ValueError(f"activation {layer.activation.name} has no in-place kernel")
+            self.activations.append(layer.activation.torch_)
         self._hidden: dict[int, list[th.Tensor]] = {}
         self._out: dict[int, th.Tensor] = {}
 
@@ -46,12 +51,12 @@ class BufferedMlpForward:
         if len(self._out) > 8:
             self._out.clear()
         if n not in self._out:
-            self._out[n] = th.empty(n, self.layers[-1].weight.shape[0], dtype=like.dtype, device=like.device)
+            self._out[n] = th.empty(n, self.weights[-1].shape[0], dtype=like.dtype, device=like.device)
         if block not in self._hidden:
             if len(self._hidden) > 8:
                 self._hidden.clear()
             self._hidden[block] = [
-                th.empty(block, layer.weight.shape[0], dtype=like.dtype, device=like.device) for layer in self.layers[:-1]
+                th.empty(block, weight.shape[0], dtype=like.dtype, device=like.device) for weight in self.weights[:-1]
             ]
         return self._out[n], self._hidden[block]
 
@@ -63,13 +68,13 @@ class BufferedMlpForward:
         """
         n = x.shape[0]
         out, _ = self._buffers(n, min(n, self.rows), x)
-        last = len(self.layers) - 1
+        last = len(self.weights) - 1
         for start in range(0, n, self.rows):
             h = x[start : start + self.rows]
             hidden = self._buffers(n, h.shape[0], x)[1]
-            for k, layer in enumerate(self.layers):
+            for k, (weight, bias, activation_) in enumerate(zip(self.weights, self.biases, self.activations, strict=True)):
                 dst = out[start : start + h.shape[0]] if k == last else hidden[k]
-                th.addmm(layer.bias, h, layer.weight.t(), out=dst)  # type: ignore[arg-type]
-                layer.activation.torch_(dst)  # type: ignore[misc]
+                th.addmm(bias, h, weight.t(), out=dst)
+                activation_(dst)
                 h = dst
         return out

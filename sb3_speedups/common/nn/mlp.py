@@ -78,21 +78,6 @@ def module_activation(module: nn.Module) -> Activation:
     return Activation(type(module).__name__, module, None, None, None)
 
 
-def activation_(x: th.Tensor, activation: Activation) -> th.Tensor:
-    """
-    Apply a hand-differentiable activation in place, with numpy's kernel on contiguous CPU tensors where it is the
-    faster one (:attr:`Activation.numpy_on_cpu`).
-
-    :param x: pre-activations, overwritten with the activations
-    :param activation: an activation with an in-place kernel
-    :return: ``x``
-    """
-    if activation.numpy_on_cpu and x.device.type == "cpu" and x.is_contiguous():
-        activation.numpy(x.numpy())  # type: ignore[misc]
-        return x
-    return activation.torch_(x)  # type: ignore[misc]
-
-
 @dataclass(frozen=True)
 class Layer:
     """``activation(x @ weight.T + bias)``; stacked, ``G`` such layers side by side."""
@@ -151,18 +136,23 @@ class Mlp:
         return None
 
 
+def biases(layers: Sequence[Layer]) -> list[th.Tensor]:
+    """:return: the layers' biases (the training and blocked executors need one in every layer)"""
+    found = [layer.bias for layer in layers if layer.bias is not None]
+    if len(found) != len(layers):
+        raise ValueError("a Linear layer has no bias")
+    return found
+
+
 def stack(mlps: Sequence[Mlp], stacked: Callable[[list[th.Tensor]], th.Tensor]) -> Mlp:
     """
-    :param mlps: networks of the same shapes (:meth:`Mlp.same_shapes`) and activations
+    :param mlps: networks of the same shapes, with biases (:meth:`Mlp.same_shapes`), and the same activations
     :param stacked: the ``[G, ...]`` tensor of ``G`` equally shaped tensors (which must lie side by side)
     :return: the networks as one stacked :class:`Mlp`
     """
     layers = zip(*(m.layers for m in mlps), strict=True)
     return Mlp(
-        tuple(
-            Layer(stacked([lay.weight for lay in group]), stacked([lay.bias for lay in group]), group[0].activation)  # type: ignore[misc]
-            for group in layers
-        )
+        tuple(Layer(stacked([lay.weight for lay in group]), stacked(biases(group)), group[0].activation) for group in layers)
     )
 
 

@@ -22,7 +22,7 @@ from sb3_speedups.common.nn.actor_critic import (
     parse_actor_critic,
     split_layout,
 )
-from sb3_speedups.common.nn.mlp import Mlp, activation_, stack
+from sb3_speedups.common.nn.mlp import NONE, Mlp, biases, stack
 from sb3_speedups.common.nn.optim import FlatParameters
 
 __all__ = ["ActorCriticMlp", "MlpChain", "mlp_unsupported_reason"]
@@ -63,15 +63,17 @@ class MlpChain:
     def __init__(self, flat: FlatParameters, mlps: list[Mlp]) -> None:
         data = stack(mlps, flat.stacked)
         grads = stack(mlps, lambda tensors: flat.stacked(tensors, grad=True))
-        activation = mlps[0].activation
-        assert activation is not None or not data.layers
+        activation = mlps[0].activation or NONE  # (no layers: none runs)
+        if activation.torch_ is None or activation.numpy is None or activation.backward is None:
+            raise ValueError(f"activation {activation.name} has no hand-derived backward")
         self.activation = activation
+        self._torch_, self._numpy_, self._backward = activation.torch_, activation.numpy, activation.backward
         self.groups = len(mlps)
         self.weights = [layer.weight for layer in data.layers]
         self.weights_t = [w.transpose(1, 2) for w in self.weights]
-        self.biases = [layer.bias.unsqueeze(1) for layer in data.layers]  # type: ignore[union-attr]
+        self.biases = [b.unsqueeze(1) for b in biases(data.layers)]
         self.grad_weights = [layer.weight for layer in grads.layers]
-        self.grad_biases = [layer.bias for layer in grads.layers]
+        self.grad_biases = biases(grads.layers)
         self.grad_weights_t = [g.transpose(1, 2) for g in self.grad_weights]
         self.ws: dict[int, _Workspace] = {}
         self._input: _Input | None = None
@@ -81,7 +83,7 @@ class MlpChain:
         # Allocated as normal tensors even when the update runs under inference mode, so they work in any mode.
         acts = [th.empty(self.groups, n, w.shape[1], device=x.device) for w in self.weights]
         grads = [th.empty(self.groups, n, w.shape[1], device=x.device) for w in self.weights]
-        numpy = self.activation is not None and self.activation.numpy_on_cpu and x.device.type == "cpu"
+        numpy = self.activation.numpy_on_cpu and x.device.type == "cpu"
         self.ws[n] = _Workspace(
             acts,
             grads,
@@ -106,26 +108,29 @@ class MlpChain:
         if not self.weights:
             return h
         ws = self.ws.get(n) or self._workspace(n, x)
-        activation = self.activation
-        assert activation is not None
         arrays = ws.arrays
         if arrays is None:
             for w_t, b, out in zip(self.weights_t, self.biases, ws.acts, strict=True):
-                h = activation_(th.baddbmm(b, h, w_t, out=out), activation)
+                h = self._activate_(th.baddbmm(b, h, w_t, out=out))
             return h
-        numpy_ = activation.numpy
-        assert numpy_ is not None
+        numpy_ = self._numpy_
         for w_t, b, out, array in zip(self.weights_t, self.biases, ws.acts, arrays, strict=True):
             h = th.baddbmm(b, h, w_t, out=out)
             numpy_(array)  # the activation on numpy views made once
         return h
 
+    def _activate_(self, x: th.Tensor) -> th.Tensor:
+        """Apply the activation in place: numpy's kernel on contiguous CPU tensors where it is the faster one."""
+        if self.activation.numpy_on_cpu and x.device.type == "cpu" and x.is_contiguous():
+            self._numpy_(x.numpy())
+            return x
+        return self._torch_(x)
+
     def backward(self, d_last: th.Tensor) -> None:
         """Write the weight and bias gradients, given the gradient of the last activations (overwritten)."""
         n = d_last.shape[1]
-        ws, given = self.ws[n], self._input
-        backward_ = self.activation.backward  # type: ignore[union-attr]
-        assert given is not None and backward_ is not None
+        ws, given, backward_ = self.ws[n], self._input, self._backward
+        assert given is not None
         d = d_last
         d_t = ws.grads_t[-1] if d_last is ws.grads[-1] else d_last.transpose(1, 2)
         for k in range(len(self.weights) - 1, -1, -1):
@@ -147,7 +152,7 @@ class MlpChain:
         """:return: the last activations of network ``g`` for ``x`` ``[n, in]`` (allocates; not for hot paths)"""
         h = x
         for w, b in zip(self.weights, self.biases, strict=True):
-            h = activation_(th.addmm(b[g, 0], h, w[g].t()), self.activation)  # type: ignore[arg-type]
+            h = self._activate_(th.addmm(b[g, 0], h, w[g].t()))
         return h
 
 
@@ -213,9 +218,9 @@ class ActorCriticMlp:
         # per part: the head's weight [n_out, width], its transpose, bias, and the gradients of weight and bias
         self.head_weights = [self.flat.data_of(head.weight) for head in heads]
         self.head_weights_t = [w.t() for w in self.head_weights]
-        self.head_biases = [self.flat.data_of(head.bias) for head in heads]  # type: ignore[arg-type]
+        self.head_biases = [self.flat.data_of(b) for b in biases(heads)]
         self.grad_head_weights = [self.flat.grad_of(head.weight) for head in heads]
-        self.grad_head_biases = [self.flat.grad_of(head.bias) for head in heads]  # type: ignore[arg-type]
+        self.grad_head_biases = [self.flat.grad_of(b) for b in biases(heads)]
         self.log_std = None if ac.log_std is None else self.flat.data_of(ac.log_std)
         self.grad_log_std = None if ac.log_std is None else self.flat.grad_of(ac.log_std)
         # On the CPU the heads' products run in numpy (lower per-call overhead than torch's addmm at these sizes).
@@ -252,10 +257,10 @@ class ActorCriticMlp:
         return views
 
     def _head(self, part: int, views: _PartViews, outputs: _Outputs, numpy: bool) -> None:
-        if numpy:
-            weight_t, bias = self._numpy_heads[part]  # type: ignore[index]
-            latent, dst = views.arrays  # type: ignore[misc]
-            np.add(np.matmul(latent, weight_t, out=dst), bias, out=dst)
+        arrays, heads = views.arrays, self._numpy_heads
+        if numpy and arrays is not None and heads is not None:
+            (latent, result), (weight_t, bias) = arrays, heads[part]
+            np.add(np.matmul(latent, weight_t, out=result), bias, out=result)
         else:
             dst = outputs.out if part == 0 else outputs.values
             th.addmm(self.head_biases[part], views.latent, self.head_weights_t[part], out=dst)
@@ -299,8 +304,9 @@ class ActorCriticMlp:
 
     def _backward_head(self, d: th.Tensor, part: int) -> _GradViews:
         """Write the head's gradients and the gradient of the part's latent; :return: the views used"""
-        views = self._grad_views(d, part)
-        th.mm(views.d_t, self.latents[part], out=self.grad_head_weights[part])  # type: ignore[arg-type]
+        views, latent = self._grad_views(d, part), self.latents[part]
+        assert latent is not None, "backward before forward"
+        th.mm(views.d_t, latent, out=self.grad_head_weights[part])
         th.sum(d, 0, out=self.grad_head_biases[part])
         if views.d_last_part is not None:
             th.mm(d, self.head_weights[part], out=views.d_last_part)
