@@ -12,7 +12,7 @@ from torch import nn
 from sb3_speedups.common.acting.lean_mlp import LeanMlp
 from sb3_speedups.common.acting.numpy_actor import NumpyActorCritic, NumpyMlp
 from sb3_speedups.common.nn.actor_critic import mlp_unsupported_reason, parse_actor_critic
-from sb3_speedups.common.nn.blocked import BufferedMlpForward
+from sb3_speedups.common.nn.blocked import BufferedMlpForward, forward_in_blocks
 from sb3_speedups.common.nn.mlp import NONE, RELU, TANH, parse_mlp, parse_output_mlp, stack
 from sb3_speedups.common.nn.training import ActorCriticMlp
 
@@ -99,6 +99,7 @@ def test_blocked_forward_equals_the_module(act):
     x = th.randn(10, 5)
     with th.no_grad():
         assert th.equal(forward(x), seq(x))
+        assert th.equal(forward_in_blocks(seq, x, rows=4), seq(x))  # any row-wise module, a block at a time
 
 
 def _policy(net_arch, act):

@@ -31,7 +31,7 @@ from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
 from sb3_speedups.common.acting.actors import ParameterMirror
 from sb3_speedups.common.acting.lean_mlp import LeanMlp
-from sb3_speedups.common.nn.blocked import BufferedMlpForward
+from sb3_speedups.common.nn.blocked import BufferedMlpForward, forward_in_blocks
 from sb3_speedups.dqn.update import AutogradQUpdate, ManualQUpdate, huber_, q_mlp_unsupported_reason
 from sb3_speedups.dqn.replay.buffers import PrioritizedReplayBuffer, PrioritizedReplayBufferSamples
 from sb3_speedups.dqn.replay.sampling import (
@@ -43,7 +43,6 @@ from sb3_speedups.dqn.replay.sampling import (
 )
 from sb3_speedups.common.torch_utils import (
     apply_num_threads,
-    forward_in_blocks,
     num_threads_during,
     update_num_threads,
 )

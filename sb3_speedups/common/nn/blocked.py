@@ -1,6 +1,7 @@
 """
-The blocked executor of an MLP description (:mod:`sb3_speedups.common.nn.mlp`): the forward of many rows, a block
-at a time, into buffers kept from call to call.
+Forwards of many rows a block at a time (the activations of thousands of rows spill out of the CPU caches):
+:class:`BufferedMlpForward`, the blocked executor of an MLP description (:mod:`sb3_speedups.common.nn.mlp`), into
+buffers kept from call to call, and :func:`forward_in_blocks` for any row-wise module.
 """
 
 from __future__ import annotations
@@ -78,3 +79,17 @@ class BufferedMlpForward:
                 activation_(dst)
                 h = dst
         return out
+
+
+def forward_in_blocks(net: nn.Module, x: th.Tensor, rows: int = 1024) -> th.Tensor:
+    """
+    ``net(x)`` computed ``rows`` rows at a time.
+
+    :param net: a row-wise network (each output row depends only on its input row)
+    :param x: the input batch
+    :param rows: rows per call
+    :return: the outputs, concatenated
+    """
+    if x.shape[0] <= rows:
+        return net(x)
+    return th.cat([net(x[i : i + rows]) for i in range(0, x.shape[0], rows)])
