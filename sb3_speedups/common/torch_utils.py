@@ -89,17 +89,3 @@ def num_threads_during(num_threads: int | None) -> Iterator[None]:
         yield
     finally:
         th.set_num_threads(previous)
-
-
-def forward_in_blocks(net: th.nn.Module, x: th.Tensor, rows: int = 1024) -> th.Tensor:
-    """
-    ``net(x)`` computed ``rows`` rows at a time: the activations of thousands of rows spill out of the CPU caches.
-
-    :param net: a row-wise network (each output row depends only on its input row)
-    :param x: the input batch
-    :param rows: rows per call
-    :return: the outputs, concatenated
-    """
-    if x.shape[0] <= rows:
-        return net(x)
-    return th.cat([net(x[i : i + rows]) for i in range(0, x.shape[0], rows)])

@@ -7,7 +7,7 @@ DQN as in Stable-Baselines3, faster, with modern replay options. What differs fr
 - each gradient step is :class:`~sb3_speedups.dqn.update.ManualQUpdate` for MLP Q-networks (hand-derived
   gradients, flat parameters, fused Adam, no host sync), else the autograd
   :class:`~sb3_speedups.dqn.update.AutogradQUpdate`; the loss is logged once per ``train()``;
-- actions come from a plain-tensor copy of the Q-network (:class:`~sb3_speedups.common.acting.actors.LeanMlp`), one
+- actions come from a plain-tensor copy of the Q-network (:class:`~sb3_speedups.common.acting.lean_mlp.LeanMlp`), one
   call for all envs, synced once per rollout;
 - torch runs on one CPU thread unless the user chose otherwise, except in ``train()`` when the Q-network's matrix
   products are large (batch x layer inputs x outputs >= 2M multiply-adds, e.g. the RL Zoo's 256x256 nets): there
@@ -29,8 +29,9 @@ import torch as th
 from stable_baselines3.common.noise import ActionNoise
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
-from sb3_speedups.common.nn.training import BufferedMlpForward
-from sb3_speedups.common.acting.actors import LeanMlp, ParameterMirror
+from sb3_speedups.common.acting.actors import ParameterMirror
+from sb3_speedups.common.acting.lean_mlp import LeanMlp
+from sb3_speedups.common.nn.blocked import BufferedMlpForward, forward_in_blocks
 from sb3_speedups.dqn.update import AutogradQUpdate, ManualQUpdate, huber_, q_mlp_unsupported_reason
 from sb3_speedups.dqn.replay.buffers import PrioritizedReplayBuffer, PrioritizedReplayBufferSamples
 from sb3_speedups.dqn.replay.sampling import (
@@ -42,7 +43,6 @@ from sb3_speedups.dqn.replay.sampling import (
 )
 from sb3_speedups.common.torch_utils import (
     apply_num_threads,
-    forward_in_blocks,
     num_threads_during,
     update_num_threads,
 )

@@ -21,9 +21,9 @@ from gymnasium import spaces
 from stable_baselines3.common.preprocessing import is_image_space
 from stable_baselines3.common.torch_layers import FlattenExtractor
 from stable_baselines3.dqn.policies import DQNPolicy, QNetwork
-from torch import nn
 
-from sb3_speedups.common.nn.training import MlpChain, linear_layers
+from sb3_speedups.common.nn.mlp import parse_output_mlp
+from sb3_speedups.common.nn.training import MlpChain
 from sb3_speedups.common.nn.optim import FlatAdam, FlatParameters, adam_unsupported_reason
 
 
@@ -40,11 +40,9 @@ def q_mlp_unsupported_reason(policy: DQNPolicy) -> str | None:
         return f"observation space {type(space).__name__} is not a flat Box"
     if not isinstance(q_net.features_extractor, FlattenExtractor):
         return "features extractor is not FlattenExtractor"
-    modules = list(q_net.q_net.children())
-    if not modules or type(modules[-1]) is not nn.Linear or linear_layers(nn.Sequential(*modules[:-1])) is None:
-        return "q_net is not Linear layers with a Tanh or ReLU activation"
-    if any(m.bias is None for m in modules if isinstance(m, nn.Linear)):
-        return "a Linear layer has no bias"
+    mlp = parse_output_mlp(q_net.q_net)
+    if isinstance(mlp, str):
+        return f"q_net: {mlp}"
     if any(p.dtype != th.float32 for p in q_net.parameters()):
         return "parameters are not float32"
     return adam_unsupported_reason(policy.optimizer, list(q_net.parameters()))
@@ -70,15 +68,13 @@ class ManualQUpdate:
             raise ValueError(reason)
         self.policy = policy
         q_net = policy.q_net
-        modules = list(q_net.q_net.children())
-        parsed = linear_layers(nn.Sequential(*modules[:-1]))
-        assert parsed is not None
-        hidden, kind = parsed
+        mlp = parse_output_mlp(q_net.q_net)
+        assert not isinstance(mlp, str)
+        hidden, out = mlp.head()
+        assert out is not None and out.bias is not None
         self.flat = FlatParameters(list(q_net.parameters()))
         self.adam = FlatAdam(self.flat, policy.optimizer)
-        self.chain = MlpChain(self.flat, [hidden], kind)
-        out = modules[-1]
-        assert isinstance(out, nn.Linear)
+        self.chain = MlpChain(self.flat, [hidden])
         self.w_out, self.b_out = self.flat.data_of(out.weight), self.flat.data_of(out.bias)
         self.gw_out, self.gb_out = self.flat.grad_of(out.weight), self.flat.grad_of(out.bias)
 

@@ -26,7 +26,9 @@ from stable_baselines3.common.vec_env import VecEnv
 from torch import nn
 
 from sb3_speedups.common.nn.heads import ActionHead, make_head
-from sb3_speedups.common.acting.actors import LeanMlp, box_env_actions
+from sb3_speedups.common.acting.actors import box_env_actions
+from sb3_speedups.common.acting.lean_mlp import LeanMlp
+from sb3_speedups.common.nn.mlp import parse_mlp
 from sb3_speedups.common.timeouts import bootstrap_timeouts
 
 State = tuple[th.Tensor, th.Tensor]
@@ -50,7 +52,7 @@ def lean_unsupported_reason(policy: nn.Module) -> str | None:
     if policy.use_sde or make_head(policy.action_dist, policy.action_space) is None:
         return "the action distribution has no lean head (gSDE or a custom distribution)"
     nets = (policy.mlp_extractor.policy_net, policy.mlp_extractor.value_net, policy.action_net, policy.value_net)
-    if any(LeanMlp.parse(net) is None for net in nets):
+    if any(isinstance(parse_mlp(net), str) for net in nets):
         return "the MLP extractor or the heads are not plain MLPs"
     for rnn in (policy.lstm_actor, policy.lstm_critic):
         if type(rnn) not in (nn.LSTM, nn.GRU) or rnn.batch_first or rnn.bidirectional or getattr(rnn, "proj_size", 0):  # type: ignore[arg-type]

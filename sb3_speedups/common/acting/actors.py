@@ -3,8 +3,9 @@ Lean batched policy calls for collecting experience, from a frozen copy of the p
 
 - :class:`ParameterMirror`: plain-tensor copies of a module's parameters on the acting device (CPU), refreshed with
   one copy when the source tensors share one flat buffer (:class:`sb3_speedups.common.nn.optim.FlatParameters`).
-- :class:`LeanMlp`: an ``nn.Sequential`` of ``Linear`` layers and activations as plain tensors (no module calls);
-  DQN's Q-network and PPO's policy and value networks use it.
+- :class:`~sb3_speedups.common.acting.lean_mlp.LeanMlp` (torch) and
+  :class:`~sb3_speedups.common.acting.numpy_actor.NumpyActorCritic` (numpy): the acting executors of the MLP
+  description (:mod:`sb3_speedups.common.nn.mlp`).
 - :class:`LeanActorCritic`: the actor for an MLP ``ActorCriticPolicy``: one forward for all envs, sampling that draws
   torch's RNG exactly as ``torch.distributions`` does (so the first rollout equals stock SB3's for one seed).
 - :class:`ModuleActorCritic`: the same interface for any other policy (CNN, ``Dict`` observations, gSDE, custom),
@@ -22,17 +23,16 @@ from typing import Any
 
 import numpy as np
 import torch as th
-import torch.nn.functional as F
 from gymnasium import spaces
 from stable_baselines3.common.policies import ActorCriticPolicy, BasePolicy
 from stable_baselines3.common.utils import obs_as_tensor
 from torch import nn
 
-from sb3_speedups.common.nn.training import flat_layout, stackable
-from sb3_speedups.common.nn.heads import ActionHead, make_head
+from sb3_speedups.common.acting.lean_mlp import LeanMlp
 from sb3_speedups.common.acting.numpy_actor import NumpyActorCritic
-
-_FUNCTIONAL: dict[type[nn.Module], Callable[[th.Tensor], th.Tensor]] = {nn.Tanh: th.tanh, nn.ReLU: F.relu}
+from sb3_speedups.common.nn.actor_critic import flat_layout, parse_actor_critic
+from sb3_speedups.common.nn.heads import ActionHead, make_head
+from sb3_speedups.common.nn.mlp import stack
 
 
 class ParameterMirror:
@@ -97,61 +97,6 @@ class ParameterMirror:
         return all(th.equal(c, s.detach().to(self.device)) for c, s in zip(self.copies, self.sources, strict=True))
 
 
-class LeanMlp:
-    """
-    An ``nn.Sequential`` of ``nn.Linear`` and activation modules, run on plain (mirrored) tensors.
-
-    :param layers: ``(weight, bias, activation)`` per linear layer; ``activation`` may be ``None``
-    """
-
-    def __init__(self, layers: list[tuple[th.Tensor, th.Tensor | None, Callable[[th.Tensor], th.Tensor] | None]]) -> None:
-        self.layers = layers
-        self._layers_t = [(weight.t(), bias, act) for weight, bias, act in layers]  # views: they follow the weights
-
-    @staticmethod
-    def parse(seq: nn.Module) -> list[tuple[nn.Linear, Callable[[th.Tensor], th.Tensor] | None]] | None:
-        """
-        :param seq: ``nn.Sequential`` (or one ``nn.Linear``) to read
-        :return: ``(linear, activation)`` pairs, or ``None`` when ``seq`` holds anything but linear layers and
-            parameter-free activations
-        """
-        modules = [seq] if isinstance(seq, nn.Linear) else list(seq.children()) if isinstance(seq, nn.Sequential) else None
-        if modules is None:
-            return None
-        pairs: list[tuple[nn.Linear, Callable[[th.Tensor], th.Tensor] | None]] = []
-        for module in modules:
-            if type(module) is nn.Linear:
-                pairs.append((module, None))
-            elif (
-                pairs
-                and pairs[-1][1] is None
-                and not any(True for _ in module.parameters())
-                and not isinstance(module, nn.Flatten)
-            ):
-                pairs[-1] = (pairs[-1][0], _FUNCTIONAL.get(type(module), module))
-            else:
-                return None
-        return pairs
-
-    @classmethod
-    def from_module(cls, seq: nn.Module, mirror: Callable[[th.Tensor], th.Tensor]) -> LeanMlp:
-        """
-        :param seq: a module :meth:`parse` accepts
-        :param mirror: maps each source parameter to its plain-tensor copy (e.g. from a :class:`ParameterMirror`)
-        """
-        pairs = cls.parse(seq)
-        if pairs is None:
-            raise ValueError(f"not a plain MLP: {seq}")
-        return cls([(mirror(lin.weight), None if lin.bias is None else mirror(lin.bias), act) for lin, act in pairs])
-
-    def __call__(self, x: th.Tensor) -> th.Tensor:
-        for weight_t, bias, act in self._layers_t:
-            x = x @ weight_t if bias is None else th.addmm(bias, x, weight_t)
-            if act is not None:
-                x = act(x)
-        return x
-
-
 def box_env_actions(policy: BasePolicy, action_space: spaces.Space) -> Callable[[np.ndarray], np.ndarray]:
     """
     :return: the map from sampled actions to the actions given to the env: SB3's clipping to the ``Box`` bounds,
@@ -169,61 +114,45 @@ class LeanActorCritic:
     """
     Frozen plain-tensor copy of an MLP ``ActorCriticPolicy`` (flat ``Box`` observations, no gSDE) for collection.
 
-    :param policy: the policy (check :func:`sb3_speedups.common.nn.training.mlp_unsupported_reason` first)
+    :param policy: the policy (check :func:`sb3_speedups.common.nn.actor_critic.mlp_unsupported_reason` first)
     :param head: its action head (:func:`sb3_speedups.common.nn.heads.make_head`)
     :param device: where the copy lives and acts
     """
 
     def __init__(self, policy: ActorCriticPolicy, head: ActionHead, device: th.device | str = "cpu") -> None:
         self.source, self.head, self.device = policy, head, th.device(device)
-        pi, vf = LeanMlp.parse(policy.mlp_extractor.policy_net), LeanMlp.parse(policy.mlp_extractor.value_net)
-        if pi is None or vf is None:
-            raise ValueError("the policy's mlp_extractor is not a plain MLP")
+        ac = parse_actor_critic(policy)
+        if isinstance(ac, str):
+            raise ValueError(f"the policy's networks are not plain MLPs: {ac}")
         # Equally shaped policy and value networks run as one batched product per layer; the copies are laid out
         # as ActorCriticMlp's flat buffer (each policy layer next to its value twin), so that a sync is one copy.
         self.stacked = (
-            bool(pi)
-            and len(pi) == len(vf)
-            and stackable([p for p, _ in pi], [v for v, _ in vf])
-            and all(pa is va for (_, pa), (_, va) in zip(pi, vf, strict=True))
+            bool(ac.pi.layers)
+            and ac.pi.same_shapes(ac.vf)
+            and all(p.activation is v.activation for p, v in zip(ac.pi.layers, ac.vf.layers, strict=True))
         )
-        order = flat_layout(policy)
+        order = flat_layout(ac, policy)
         self.mirror = ParameterMirror(order, self.device, keep_order=True)
         lookup = {id(t): c for t, c in zip(order, self.mirror.copies, strict=True)}
-
-        def mirrored(t: th.Tensor) -> th.Tensor:
-            return lookup[id(t)]
-
-        def pair(a: th.Tensor, b: th.Tensor) -> th.Tensor:
-            first = mirrored(a)
-            return self.mirror.flat[first.storage_offset() : first.storage_offset() + 2 * a.numel()].view(2, *a.shape)
-
-        # (transposed weights [2, in, out], biases [2, 1, out], activation), views of the mirror
-        self.layers = (
-            [
-                (pair(p.weight, v.weight).transpose(1, 2), pair(p.bias, v.bias).unsqueeze(1), act)  # type: ignore[arg-type]
-                for (p, act), (v, _) in zip(pi, vf, strict=True)
-            ]
-            if self.stacked
-            else []
-        )
-        self.pi = LeanMlp.from_module(policy.mlp_extractor.policy_net, mirrored)
-        self.vf = LeanMlp.from_module(policy.mlp_extractor.value_net, mirrored)
-        self.action_net = LeanMlp.from_module(policy.action_net, mirrored)
-        self.value_net = LeanMlp.from_module(policy.value_net, mirrored)
-        log_std = getattr(policy, "log_std", None)
-        self.log_std = None if log_std is None else mirrored(log_std)
+        mirrored = ac.map(lambda t: lookup[id(t)])
+        chains = [stack([mirrored.pi, mirrored.vf], self._pair)] if self.stacked else [mirrored.pi, mirrored.vf]
+        self.latents = [LeanMlp(chain) for chain in chains]
+        self.action_net, self.value_net = LeanMlp(mirrored.action), LeanMlp(mirrored.value)
+        self.log_std = mirrored.log_std
         self.env_actions = box_env_actions(policy, policy.action_space)
-        self._numpy = NumpyActorCritic.build(self) if self.device.type == "cpu" else None
+        self._numpy = NumpyActorCritic.build(chains, mirrored.action, mirrored.value) if self.device.type == "cpu" else None
+
+    def _pair(self, copies: list[th.Tensor]) -> th.Tensor:
+        """:return: two copies that lie side by side in the mirror as one ``[2, ...]`` view"""
+        first, second = copies
+        offset = first.storage_offset()
+        assert second.storage_offset() == offset + first.numel()
+        return self.mirror.flat[offset : offset + 2 * first.numel()].view(2, *first.shape)
 
     def _latents(self, x: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
         if not self.stacked:
-            return self.pi(x), self.vf(x)
-        h = x.expand(2, *x.shape)
-        for weight_t, bias, act in self.layers:
-            h = th.baddbmm(bias, h, weight_t)
-            if act is not None:
-                h = act(h)
+            return self.latents[0](x), self.latents[1](x)
+        h = self.latents[0](x)
         return h[0], h[1]
 
     def sync(self) -> None:

@@ -1,0 +1,58 @@
+"""
+The torch acting executor of an MLP description (:mod:`sb3_speedups.common.nn.mlp`): the module's forward on plain
+(for example mirrored) tensors, without module calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch as th
+from torch import nn
+
+from sb3_speedups.common.nn.mlp import NONE, Mlp, parse_mlp
+
+
+class LeanMlp:
+    """
+    An MLP run on the tensors of its description with the module's own kernels (``addmm``, torch's activations out of
+    place). Stacked (``G`` networks side by side), each layer is one ``baddbmm`` and the output is ``[G, n, out]``.
+
+    :param mlp: the network, on the tensors to compute with (views: they follow their source, e.g. a mirror's sync)
+    """
+
+    def __init__(self, mlp: Mlp) -> None:
+        self.mlp = mlp
+        self.groups = mlp.layers[0].weight.shape[0] if mlp.stacked else 0
+        self._affine = th.baddbmm if mlp.stacked else th.addmm
+        # (weight transposed, bias or None, activation or None), views made once
+        self._layers: list[tuple[th.Tensor, th.Tensor | None, Callable[[th.Tensor], th.Tensor] | None]] = [
+            (
+                layer.weight.transpose(-2, -1),
+                None if layer.bias is None else layer.bias.unsqueeze(1) if mlp.stacked else layer.bias,
+                None if layer.activation is NONE else layer.activation.torch,
+            )
+            for layer in mlp.layers
+        ]
+
+    @classmethod
+    def from_module(cls, seq: nn.Module, mirror: Callable[[th.Tensor], th.Tensor]) -> LeanMlp:
+        """
+        :param seq: a module :func:`~sb3_speedups.common.nn.mlp.parse_mlp` accepts
+        :param mirror: maps each source parameter to its plain-tensor copy (e.g. from a ``ParameterMirror``)
+        """
+        mlp = parse_mlp(seq)
+        if isinstance(mlp, str):
+            raise ValueError(f"not a plain MLP ({mlp}): {seq}")
+        return cls(mlp.map(mirror))
+
+    def __call__(self, x: th.Tensor) -> th.Tensor:
+        """:return: the output ``[n, out]`` of inputs ``[n, in]`` (stacked: ``[G, n, out]``)"""
+        if self.groups:
+            x = x.expand(self.groups, *x.shape)
+        affine = self._affine
+        for weight_t, bias, act in self._layers:
+            x = x @ weight_t if bias is None else affine(bias, x, weight_t)
+            if act is not None:
+                x = act(x)
+        return x
