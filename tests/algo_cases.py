@@ -25,7 +25,7 @@ from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
 from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_speedups import DQN, PPO, RecurrentPPO
-from sb3_speedups.ppo_recurrent.collection import lean_unsupported_reason
+from sb3_speedups.ppo_recurrent.collection import frozen_actor_unsupported_reason
 
 
 def updater_engine(model: BaseAlgorithm) -> str:
@@ -38,7 +38,7 @@ def updater_engine(model: BaseAlgorithm) -> str:
 
 def recurrent_engine(model: BaseAlgorithm) -> str:
     """RecurrentPPO: how it collects, what it stores rollouts in, and whether the flat Adam step drives the optimizer."""
-    collection = "lean" if lean_unsupported_reason(model.policy) is None else "stock"
+    collection = "frozen-actor" if frozen_actor_unsupported_reason(model.policy) is None else "stock"
     step = model._optimizer_step  # type: ignore[attr-defined]
     adam = "flat" if step is not None and step.is_bound(model.policy.optimizer) else "unbound"
     return f"{collection} collection, {type(model.rollout_buffer).__name__}, {adam} Adam"
@@ -162,7 +162,7 @@ DQN_SMALL = dict(
     policy_kwargs=dict(net_arch=[32, 32]),
 )
 SEEDED_DQN = {**DQN_SMALL, "seed": 3}
-DQN_CASE = dict(engine_of=updater_engine, engine="ManualQUpdate", learn_steps=700, more_steps=300, exact=("actions",))
+DQN_CASE = dict(engine_of=updater_engine, engine="HandDerivedQUpdate", learn_steps=700, more_steps=300, exact=("actions",))
 RECURRENT_SMALL = dict(n_steps=32, batch_size=64, n_epochs=2, policy_kwargs=dict(lstm_hidden_size=16, net_arch=[16]), seed=0)
 RNN_KWARGS = {**RECURRENT_SMALL["policy_kwargs"], "n_lstm_layers": 2}
 RECURRENT_CASE = dict(
@@ -176,7 +176,7 @@ RECURRENT_CASE = dict(
     buffer_atol=1e-4,
     param_atol=1e-4,
     param_rtol=1e-3,
-    # sb3-contrib's loop offers these to callbacks, our lean recurrent collection does not
+    # sb3-contrib's loop offers these to callbacks, our frozen-actor recurrent collection does not
     callback_gaps=frozenset({"episode_starts", "clipped_actions"}),
 )
 LINUX_ONLY = (pytest.mark.skipif(not sys.platform.startswith("linux"), reason="split updates need Linux's fork()"),)
@@ -190,12 +190,12 @@ def dqn_env(n_envs: int) -> Callable[[], VecEnv]:
 
 CASES = [
     AlgoCase(
-        "ppo", PPO, stable_baselines3.PPO, PPO_ENV, SEEDED_PPO, updater_engine, "ManualPPOUpdate",
+        "ppo", PPO, stable_baselines3.PPO, PPO_ENV, SEEDED_PPO, updater_engine, "HandDerivedPPOUpdate",
         ours_kwargs=dict(split_update=False), every_space=True, **PPO_BUFFER,
     ),
     AlgoCase(
         "ppo-box", PPO, stable_baselines3.PPO, seeded_envs("Pendulum-v1", 4, 3, max_episode_steps=6), SEEDED_PPO,
-        updater_engine, "ManualPPOUpdate", ours_kwargs=dict(split_update=False), exact=("episode_starts",),
+        updater_engine, "HandDerivedPPOUpdate", ours_kwargs=dict(split_update=False), exact=("episode_starts",),
         close=("observations", "actions", "values", "log_probs", "returns", "advantages"), buffer_atol=1e-4,
         predict_atol=1e-6,
     ),
@@ -221,7 +221,7 @@ CASES = [
     ),
     AlgoCase(
         "recurrent-lstm", RecurrentPPO, sb3_contrib.RecurrentPPO, kwargs={**RECURRENT_SMALL, "policy_kwargs": RNN_KWARGS},
-        engine="lean collection, FastRecurrentRolloutBuffer, flat Adam", **RECURRENT_CASE,
+        engine="frozen-actor collection, FastRecurrentRolloutBuffer, flat Adam", **RECURRENT_CASE,
     ),
     AlgoCase(
         "recurrent-shared-lstm", RecurrentPPO, sb3_contrib.RecurrentPPO,
@@ -230,7 +230,8 @@ CASES = [
     ),
     AlgoCase(
         "recurrent-gru", RecurrentPPO, None, kwargs={**RECURRENT_SMALL, "policy_kwargs": RNN_KWARGS},
-        engine="lean collection, FastRecurrentRolloutBuffer, flat Adam", **{**RECURRENT_CASE, "policy": "MlpGruPolicy"},
+        engine="frozen-actor collection, FastRecurrentRolloutBuffer, flat Adam",
+        **{**RECURRENT_CASE, "policy": "MlpGruPolicy"},
     ),
 ]  # fmt: skip
 

@@ -12,7 +12,7 @@ from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from stable_baselines3.common.vec_env import VecNormalize
 
 from sb3_speedups import DQN
-from sb3_speedups.dqn.update import AutogradQUpdate, ManualQUpdate, huber_
+from sb3_speedups.dqn.update import AutogradQUpdate, HandDerivedQUpdate, huber_
 from sb3_speedups.dqn.replay.sampling import draw_indices, gather, newest_indices, sample_minibatches
 from sb3_speedups.dqn.policies import DuelingMlpPolicy, DuelingQNetwork
 from sb3_speedups.errors import UserError
@@ -54,7 +54,7 @@ def test_fast_update_matches_autograd_update_with_weights():
             td = updater.step(obs, actions, target, weights, 0.5)
             loss = huber_(td, weights)
         tds.append((td, loss))
-    assert isinstance(models[0]._speedups.updater, ManualQUpdate)
+    assert isinstance(models[0]._speedups.updater, HandDerivedQUpdate)
     assert isinstance(models[1]._speedups.updater, AutogradQUpdate)
     assert _max_param_diff(*models) < 1e-6
     th.testing.assert_close(tds[0][0], tds[1][0])
@@ -259,7 +259,7 @@ def test_hand_derived_update_runs_under_inference_mode_and_outside_it():
     model = DQN("MlpPolicy", "CartPole-v1", learning_starts=32, train_freq=4, gradient_steps=2, batch_size=16, seed=0)
     model.learn(128)  # train() ran the update under inference mode
     updater = model._ensure_speedups().updater
-    assert isinstance(updater, ManualQUpdate)
+    assert isinstance(updater, HandDerivedQUpdate)
     obs = th.zeros(16, 4)
     q = updater.q_values(obs)  # reuses the forward buffers outside inference mode
     td = updater.step(obs, th.zeros(16, 1, dtype=th.long), q[:, :1].detach().clone() + 1.0, None, 10.0)

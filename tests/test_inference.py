@@ -1,4 +1,4 @@
-"""The lean inference copies and heads, each against the stock torch/SB3 object (flat Adam: test_optim.py)."""
+"""The frozen inference copies and heads, each against the stock torch/SB3 object (flat Adam: test_optim.py)."""
 
 import numpy as np
 import pytest
@@ -8,11 +8,11 @@ from gymnasium import spaces
 from stable_baselines3.common.policies import ActorCriticPolicy, MultiInputActorCriticPolicy
 from torch import nn
 
-from sb3_speedups.common.nn.blocked import BufferedMlpForward
+from sb3_speedups.common.nn.blocked import BlockedMlpForward
 from sb3_speedups.common.nn.mlp import parse_mlp
 from sb3_speedups.common.nn.training import ActorCriticMlp
 from sb3_speedups.common.nn.heads import make_head, sample_one_per_row
-from sb3_speedups.common.acting.actors import LeanActorCritic, LeanMlp, ModuleActorCritic, ParameterMirror
+from sb3_speedups.common.acting.actors import FrozenActorCritic, TorchMlp, ModuleActorCritic, ParameterMirror
 
 ACTION_SPACES = {
     "discrete": spaces.Discrete(3),
@@ -30,22 +30,22 @@ def make_policy(action_space, **kwargs):
 @pytest.mark.parametrize("name", ACTION_SPACES)
 def test_lean_actor_samples_as_the_policy(name):
     policy = make_policy(ACTION_SPACES[name])
-    actor = LeanActorCritic(policy, make_head(policy.action_dist, policy.action_space))
+    actor = FrozenActorCritic(policy, make_head(policy.action_dist, policy.action_space))
     obs = np.random.default_rng(0).uniform(-1, 1, (8, 5)).astype(np.float32)
     th.manual_seed(5)
     with th.no_grad():
         actions, values, log_probs = policy(th.as_tensor(obs))
     after_stock = th.rand(3)
     th.manual_seed(5)
-    lean_actions, lean_values, lean_log_probs = actor.act(obs)
+    our_actions, our_values, our_log_probs = actor.act(obs)
     th.testing.assert_close(th.rand(3), after_stock)  # the RNG was drawn exactly as much
     if name == "box":  # mean + std * noise: the same draws, equal up to float32 rounding of the mean
-        np.testing.assert_allclose(lean_actions, actions.numpy(), rtol=0, atol=1e-6)
+        np.testing.assert_allclose(our_actions, actions.numpy(), rtol=0, atol=1e-6)
     else:
-        np.testing.assert_array_equal(lean_actions, actions.numpy())
-    assert lean_actions.dtype == actions.numpy().dtype
-    th.testing.assert_close(lean_values, values, rtol=0, atol=1e-6)
-    th.testing.assert_close(lean_log_probs, log_probs, rtol=0, atol=1e-5)
+        np.testing.assert_array_equal(our_actions, actions.numpy())
+    assert our_actions.dtype == actions.numpy().dtype
+    th.testing.assert_close(our_values, values, rtol=0, atol=1e-6)
+    th.testing.assert_close(our_log_probs, log_probs, rtol=0, atol=1e-5)
     th.testing.assert_close(actor.predict_values(obs), values.view(-1), rtol=0, atol=1e-6)
 
 
@@ -74,7 +74,7 @@ def perturb(policy):
 def test_copies_are_frozen_until_synced():
     policy = make_policy(ACTION_SPACES["box"])
     ActorCriticMlp(policy)  # moves the parameters into one flat buffer: the mirror then syncs with one copy
-    lean = LeanActorCritic(policy, make_head(policy.action_dist, policy.action_space))
+    lean = FrozenActorCritic(policy, make_head(policy.action_dist, policy.action_space))
     module = ModuleActorCritic(policy, copy=True)
     assert module.policy is not policy
     obs = np.full((2, 5), 0.5, np.float32)
@@ -103,7 +103,7 @@ def test_mirror_follows_scattered_sources():
 
 def test_lean_mlp_equals_sequential():
     seq = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.LeakyReLU(0.2), nn.Linear(16, 3))
-    lean = LeanMlp.from_module(seq, lambda t: t.detach())
+    lean = TorchMlp.from_module(seq, lambda t: t.detach())
     x = th.randn(7, 4)
     th.testing.assert_close(lean(x), seq(x).detach(), rtol=0, atol=0)
     assert isinstance(parse_mlp(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))), str)
@@ -130,17 +130,17 @@ def test_single_draw_equals_torch_multinomial(k):
 )
 def test_numpy_forward_matches_the_policy(policy_kwargs, numpy_path):
     policy = make_policy(ACTION_SPACES["discrete"], **policy_kwargs)
-    actor = LeanActorCritic(policy, make_head(policy.action_dist, policy.action_space))
+    actor = FrozenActorCritic(policy, make_head(policy.action_dist, policy.action_space))
     assert (actor._numpy is not None) is numpy_path
     obs = np.random.default_rng(1).uniform(-1, 1, (6, 5)).astype(np.float64)  # float64 observations are cast
     th.manual_seed(2)
     with th.no_grad():
         actions, values, log_probs = policy(th.as_tensor(obs, dtype=th.float32))
     th.manual_seed(2)
-    lean_actions, lean_values, lean_log_probs = actor.act(obs)
-    np.testing.assert_array_equal(lean_actions, actions.numpy())
-    th.testing.assert_close(lean_values, values, rtol=0, atol=1e-6)
-    th.testing.assert_close(lean_log_probs, log_probs, rtol=0, atol=1e-6)
+    our_actions, our_values, our_log_probs = actor.act(obs)
+    np.testing.assert_array_equal(our_actions, actions.numpy())
+    th.testing.assert_close(our_values, values, rtol=0, atol=1e-6)
+    th.testing.assert_close(our_log_probs, log_probs, rtol=0, atol=1e-6)
     perturb(policy)  # the numpy views follow the mirror: stale until synced, current after
     assert not np.allclose(actor.act(obs)[1].numpy(), policy.predict_values(th.as_tensor(obs, dtype=th.float32)).detach())
     actor.sync()
@@ -151,7 +151,7 @@ def test_numpy_forward_matches_the_policy(policy_kwargs, numpy_path):
 
 def test_numpy_forward_only_for_single_threaded_products():
     policy = make_policy(ACTION_SPACES["discrete"], net_arch=[256, 256])
-    actor = LeanActorCritic(policy, make_head(policy.action_dist, policy.action_space))
+    actor = FrozenActorCritic(policy, make_head(policy.action_dist, policy.action_space))
     assert actor._numpy is not None
     assert actor._numpy.accepts(1) and not actor._numpy.accepts(8)  # 8 x 256 x 256 would spread over BLAS threads
     obs = np.random.default_rng(2).uniform(-1, 1, (8, 5)).astype(np.float32)
@@ -159,16 +159,16 @@ def test_numpy_forward_only_for_single_threaded_products():
     with th.no_grad():
         actions, values, _ = policy(th.as_tensor(obs))
     th.manual_seed(4)
-    lean_actions, lean_values, _ = actor.act(obs)  # through torch
-    np.testing.assert_array_equal(lean_actions, actions.numpy())
-    th.testing.assert_close(lean_values, values, rtol=0, atol=1e-6)
+    our_actions, our_values, _ = actor.act(obs)  # through torch
+    np.testing.assert_array_equal(our_actions, actions.numpy())
+    th.testing.assert_close(our_values, values, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("act", [nn.ReLU, nn.Tanh])
 def test_buffered_mlp_forward_equals_the_module_and_keeps_its_buffers(act):
     th.manual_seed(0)
     seq = nn.Sequential(nn.Linear(5, 32), act(), nn.Linear(32, 32), act(), nn.Linear(32, 3))
-    forward = BufferedMlpForward.from_sequential(seq, rows=64)
+    forward = BlockedMlpForward.from_sequential(seq, rows=64)
     assert forward is not None
     x = th.randn(150, 5)  # two full blocks and a partial one
     with th.no_grad():
@@ -184,8 +184,8 @@ def test_buffered_mlp_forward_equals_the_module_and_keeps_its_buffers(act):
     with th.no_grad():  # it reads the layers' current weights
         seq[0].weight.add_(1.0)
         assert th.equal(forward(x), seq(x))
-    assert BufferedMlpForward.from_sequential(nn.Sequential(nn.Linear(5, 3), nn.Sigmoid())) is None
-    assert BufferedMlpForward.from_sequential(nn.Sequential(nn.Linear(5, 8), nn.ELU(), nn.Linear(8, 3))) is None
+    assert BlockedMlpForward.from_sequential(nn.Sequential(nn.Linear(5, 3), nn.Sigmoid())) is None
+    assert BlockedMlpForward.from_sequential(nn.Sequential(nn.Linear(5, 8), nn.ELU(), nn.Linear(8, 3))) is None
 
 
 def test_copy_of_a_gsde_policy_after_training():

@@ -16,7 +16,7 @@ from stable_baselines3.dqn.policies import DQNPolicy
 
 from sb3_speedups.common.nn.heads import BernoulliHead, CategoricalHead, DiagGaussianHead
 from sb3_speedups.common.nn.optim import FlatParameters
-from sb3_speedups.dqn.update import ManualQUpdate, huber_
+from sb3_speedups.dqn.update import HandDerivedQUpdate, huber_
 
 N = 29  # rows of a minibatch
 
@@ -87,13 +87,13 @@ def test_head_gradients_equal_autograd(name, entropy_grad):
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("net_arch, activation", [([16, 16], th.nn.ReLU), ([8], th.nn.Tanh), ([], th.nn.ReLU)])
 def test_dqn_huber_gradient_equals_autograd(weighted, net_arch, activation):
-    # the gradient ManualQUpdate.step writes (no clipping: a huge max norm) against autograd of stock's Huber loss
+    # the gradient HandDerivedQUpdate.step writes (no clipping: a huge max norm) against autograd of stock's Huber loss
     # (and of huber_, the importance-weighted one), for TD errors on both sides of |d| = 1
     th.manual_seed(0)
     obs_space, action_space = spaces.Box(-1, 1, (5,)), spaces.Discrete(3)
     policy = DQNPolicy(obs_space, action_space, lambda _: 1e-3, net_arch=net_arch, activation_fn=activation)
     stock = copy.deepcopy(policy)
-    update = ManualQUpdate(policy)
+    update = HandDerivedQUpdate(policy)
     gen = th.Generator().manual_seed(2)
     obs, actions = th.randn(N, 5, generator=gen), th.randint(0, 3, (N, 1), generator=gen)
     target = th.randn(N, 1, generator=gen) * 2.0

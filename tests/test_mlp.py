@@ -9,10 +9,10 @@ from gymnasium import spaces
 from stable_baselines3.common.policies import ActorCriticPolicy
 from torch import nn
 
-from sb3_speedups.common.acting.lean_mlp import LeanMlp
+from sb3_speedups.common.acting.torch_mlp import TorchMlp
 from sb3_speedups.common.acting.numpy_actor import NumpyActorCritic, NumpyMlp
 from sb3_speedups.common.nn.actor_critic import mlp_unsupported_reason, parse_actor_critic
-from sb3_speedups.common.nn.blocked import BufferedMlpForward, forward_in_blocks
+from sb3_speedups.common.nn.blocked import BlockedMlpForward, forward_in_blocks
 from sb3_speedups.common.nn.mlp import NONE, RELU, TANH, parse_mlp, parse_output_mlp, stack
 from sb3_speedups.common.nn.training import ActorCriticMlp
 
@@ -50,7 +50,7 @@ def test_unsupported_activations_are_reported():
     for act in (nn.ELU, nn.Sigmoid, nn.LeakyReLU):
         seq = mlp_module(act)
         assert "Tanh or ReLU" in parse_output_mlp(seq)
-        assert BufferedMlpForward.from_sequential(seq) is None
+        assert BlockedMlpForward.from_sequential(seq) is None
         mlp = parse_mlp(seq)
         assert "numpy" in NumpyMlp.unsupported_reason(mlp)
         policy = ActorCriticPolicy(OBS_SPACE, spaces.Discrete(3), lambda _: 1e-3, net_arch=[8], activation_fn=act)
@@ -70,12 +70,12 @@ def test_torch_acting_equals_the_module(act):
     x = th.randn(9, 5)
     with th.no_grad():
         expected = [a(x), b(x)]
-        assert th.equal(LeanMlp.from_module(a, lambda t: t.detach())(x), expected[0])
+        assert th.equal(TorchMlp.from_module(a, lambda t: t.detach())(x), expected[0])
         mlp_a, mlp_b = parse_mlp(a), parse_mlp(b)
         if act is not nn.LeakyReLU:  # stacked: one baddbmm per layer over [2, ...] copies
             stacked = stack([mlp_a.map(th.Tensor.detach), mlp_b.map(th.Tensor.detach)], th.stack)
             assert stacked.stacked
-            out = LeanMlp(stacked)(x)
+            out = TorchMlp(stacked)(x)
             for g in range(2):
                 th.testing.assert_close(out[g], expected[g], rtol=0, atol=1e-6)
 
@@ -95,7 +95,7 @@ def test_numpy_acting_equals_the_module(act):
 def test_blocked_forward_equals_the_module(act):
     th.manual_seed(3)
     seq = mlp_module(act)
-    forward = BufferedMlpForward.from_sequential(seq, rows=4)
+    forward = BlockedMlpForward.from_sequential(seq, rows=4)
     x = th.randn(10, 5)
     with th.no_grad():
         assert th.equal(forward(x), seq(x))

@@ -14,7 +14,7 @@ from sb3_speedups import PPO
 from sb3_speedups.common.nn.heads import make_head
 from sb3_speedups.ppo.buffers import env_major_to_time_major
 from sb3_speedups.ppo.minibatches import Minibatch, MinibatchSampler
-from sb3_speedups.ppo.update import STATS, AutogradPPOUpdate, ManualPPOUpdate, PPOLossConfig
+from sb3_speedups.ppo.update import STATS, AutogradPPOUpdate, HandDerivedPPOUpdate, PPOLossConfig
 from sb3_speedups.errors import UserError
 from sb3_speedups.registry import get_algo
 from tests.algo_cases import PPO_SMALL as SMALL
@@ -39,7 +39,7 @@ def test_hand_derived_gradients_equal_autograd(name, clip_range_vf, ent_coef):
     args = (th.randn(n), old_log_prob, th.randn(n), th.randn(n))  # old values, log-probs, advantages, returns
     cfg = PPOLossConfig(0.1, clip_range_vf, ent_coef, 0.5, 0.5)
     head = make_head(ours.action_dist, action_space)
-    manual, autograd = ManualPPOUpdate(ours, head), AutogradPPOUpdate(stock)
+    manual, autograd = HandDerivedPPOUpdate(ours, head), AutogradPPOUpdate(stock)
     autograd.head = None  # stock SB3's evaluate_actions and distribution objects
     stats_manual, stats_autograd = th.empty(len(STATS)), th.empty(len(STATS))
     manual.forward(Minibatch(obs, head.training_actions(actions), *args), cfg, stats_manual)
@@ -65,7 +65,7 @@ def test_device_scalars_give_the_same_update(clip_range_vf):
         actions = policies[0](obs)[0].float().reshape(n, -1)
     args = (th.randn(n), th.randn(n) * 0.1 - 1.0, th.randn(n), th.randn(n))
     head = make_head(policies[0].action_dist, action_space)
-    host, device = (ManualPPOUpdate(p, head) for p in policies)
+    host, device = (HandDerivedPPOUpdate(p, head) for p in policies)
     cfg = PPOLossConfig(0.1, clip_range_vf, 0.01, 0.5, 0.5)
     device.set_device_scalars(PPOLossConfig(0.3, 0.4, 0.01, 0.5, 0.5), 5e-3)
     device.set_device_scalars(cfg, 1e-3)  # the latest values count
@@ -125,7 +125,7 @@ def test_hand_derived_gradients_other_architectures(net_arch, activation):
     obs, actions = th.randn(16, 5), th.randint(0, 3, (16, 1)).float()
     args = (th.randn(16), th.randn(16) - 1.0, th.randn(16), th.randn(16))
     cfg = PPOLossConfig(0.2, 0.1, 0.01, 0.5, 0.5)
-    manual = ManualPPOUpdate(ours, make_head(ours.action_dist, action_space))
+    manual = HandDerivedPPOUpdate(ours, make_head(ours.action_dist, action_space))
     autograd = AutogradPPOUpdate(stock)
     manual.forward(Minibatch(obs, manual.training_actions(actions), *args), cfg, th.empty(len(STATS)))
     manual.backward()
@@ -143,7 +143,7 @@ def test_learn_every_action_space_fast_and_fallback(name, fast_update):
     counter = Counter()
     model.learn(128, callback=counter)
     assert (model.fast_path_unsupported_reason() is None) == fast_update
-    assert isinstance(model._speedups.updater, ManualPPOUpdate if fast_update else AutogradPPOUpdate)
+    assert isinstance(model._speedups.updater, HandDerivedPPOUpdate if fast_update else AutogradPPOUpdate)
     assert counter.steps == 128 // 4 and counter.starts == counter.ends == 2
     assert {"infos", "dones", "rewards", "new_obs", "actions", "values", "log_probs", "self"} <= counter.keys
     assert all(not th.equal(p, q) for p, q in zip(model.policy.parameters(), before, strict=True))
@@ -238,7 +238,7 @@ def test_hand_derived_update_runs_under_inference_mode_and_outside_it():
     model = PPO("MlpPolicy", "CartPole-v1", n_steps=16, batch_size=32, n_epochs=2, seed=0)
     model.learn(64)  # train() ran the update under inference mode
     speed = model._ensure_speedups()
-    assert isinstance(speed.updater, ManualPPOUpdate)
+    assert isinstance(speed.updater, HandDerivedPPOUpdate)
     sampler = model._sampler(speed)
     model._load_rollout(speed, sampler)
     sampler.shuffle()  # its cached buffers are normal tensors: usable outside inference mode

@@ -16,7 +16,7 @@ from torch import nn
 import sb3_speedups.envs  # noqa: F401  (registers DelayedRecall-v0)
 from sb3_speedups import RecurrentPPO
 from sb3_speedups.ppo_recurrent.buffers import FastRecurrentRolloutBuffer, padded_positions
-from sb3_speedups.ppo_recurrent.collection import LeanRecurrentActor, rnn_step
+from sb3_speedups.ppo_recurrent.collection import FrozenRecurrentActor, rnn_step
 from sb3_speedups.ppo_recurrent.policies import process_sequence
 from sb3_speedups.common.ppo_loss import ENTROPY_LOSS, NEG_PG, VALUE_LOSS, PPOLossConfig
 from sb3_speedups.ppo_recurrent.training import recurrent_ppo_loss
@@ -241,7 +241,7 @@ def test_masked_loss_and_gradients_match_sb3_contrib() -> None:
 
 def test_lean_actor_resets_states_at_episode_starts_and_matches_policy_forward() -> None:
     model = RecurrentPPO("MlpGruPolicy", "CartPole-v1", **{**KW, "policy_kwargs": {**KW["policy_kwargs"], "n_lstm_layers": 2}})
-    actor = LeanRecurrentActor(model.policy)
+    actor = FrozenRecurrentActor(model.policy)
     gen = th.Generator().manual_seed(1)
     states = RNNStates(*(tuple(th.randn(2, 3, 16, generator=gen) for _ in range(2)) for _ in range(2)))
     obs = np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32)

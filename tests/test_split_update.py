@@ -20,7 +20,7 @@ from sb3_speedups import PPO
 from sb3_speedups.ppo import split_update
 from sb3_speedups.common.nn.heads import make_head
 from sb3_speedups.ppo.minibatches import MinibatchSampler
-from sb3_speedups.ppo.update import STATS, VALUE_LOSS, ManualPPOUpdate, PPOLossConfig
+from sb3_speedups.ppo.update import STATS, VALUE_LOSS, HandDerivedPPOUpdate, PPOLossConfig
 from sb3_speedups.ppo.split_update import HelperError, SplitPPOUpdate, deferred_sigint
 from sb3_speedups.errors import UserError
 
@@ -46,14 +46,14 @@ def _running(pid: int) -> bool:
     return "\nState:\tZ" not in status
 
 
-def _updaters(clip_range_vf: float | None) -> tuple[ManualPPOUpdate, SplitPPOUpdate, MinibatchSampler]:
+def _updaters(clip_range_vf: float | None) -> tuple[HandDerivedPPOUpdate, SplitPPOUpdate, MinibatchSampler]:
     """One-process and split updates of two equal policies, and a sampler holding a random rollout."""
     model = _model(clip_range_vf=clip_range_vf)
     stock = stable_baselines3.PPO("MlpPolicy", model.env, **SMALL)
     stock.policy.load_state_dict(model.policy.state_dict())
     head = make_head(model.policy.action_dist, model.action_space)
     assert head is not None
-    one = ManualPPOUpdate(stock.policy, head, split=True)  # the same unstacked networks and layout, in one process
+    one = HandDerivedPPOUpdate(stock.policy, head, split=True)  # the same unstacked networks and layout, in one process
     two = SplitPPOUpdate(model.policy, head)
     gen = th.Generator().manual_seed(1)
     n = 64
@@ -263,7 +263,7 @@ def test_target_kl_stops_the_split_epochs_as_it_stops_the_one_process_ones() -> 
         model.learn(128)  # two rollouts: the first minibatch of each train() exceeds the target once it has moved
         counts.append((type(model._speedups.updater).__name__, model._n_updates))  # type: ignore[union-attr]
         model._close_speedups()
-    assert counts[0][0] == "ManualPPOUpdate" and counts[1][0] == "SplitPPOUpdate"
+    assert counts[0][0] == "HandDerivedPPOUpdate" and counts[1][0] == "SplitPPOUpdate"
     assert counts[0][1] == counts[1][1] < 2 * 5
 
 

@@ -2,22 +2,22 @@
 
 from sb3_speedups.common.acting.actors import (
     ParameterMirror,
-    LeanMlp,
+    TorchMlp,
     box_env_actions,
-    LeanActorCritic,
+    FrozenActorCritic,
     policy_latents,
-    lean_head,
+    standard_head,
     copy_policy,
     ModuleActorCritic,
 )
 
 __all__ = [
-    "LeanActorCritic",
-    "LeanMlp",
+    "FrozenActorCritic",
     "ModuleActorCritic",
     "ParameterMirror",
+    "TorchMlp",
     "box_env_actions",
     "copy_policy",
-    "lean_head",
     "policy_latents",
+    "standard_head",
 ]

@@ -1,7 +1,7 @@
 """
 PPO's loss as SB3 computes it, written once for every autograd user (PPO's autograd update, RecurrentPPO's
 training), with one layout of the per-minibatch statistics that PPO's hand-derived update
-(:class:`~sb3_speedups.ppo.update.ManualPPOUpdate`) writes too:
+(:class:`~sb3_speedups.ppo.update.HandDerivedPPOUpdate`) writes too:
 
     ratio = exp(log_prob - old_log_prob)
     neg_pg = mean(min(A * ratio, A * clip(ratio, 1 - clip_range, 1 + clip_range)))

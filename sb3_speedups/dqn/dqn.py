@@ -4,10 +4,10 @@ DQN as in Stable-Baselines3, faster, with modern replay options. What differs fr
 - ``train()`` samples all of its minibatches at once (the same global-RNG draws as stock, then one gather and one
   tensor conversion: :mod:`sb3_speedups.dqn.replay.sampling`) and computes every TD target with one forward of
   the target network (it is constant inside ``train()``: SB3 updates it in ``_on_step``);
-- each gradient step is :class:`~sb3_speedups.dqn.update.ManualQUpdate` for MLP Q-networks (hand-derived
+- each gradient step is :class:`~sb3_speedups.dqn.update.HandDerivedQUpdate` for MLP Q-networks (hand-derived
   gradients, flat parameters, fused Adam, no host sync), else the autograd
   :class:`~sb3_speedups.dqn.update.AutogradQUpdate`; the loss is logged once per ``train()``;
-- actions come from a plain-tensor copy of the Q-network (:class:`~sb3_speedups.common.acting.lean_mlp.LeanMlp`), one
+- actions come from a plain-tensor copy of the Q-network (:class:`~sb3_speedups.common.acting.torch_mlp.TorchMlp`), one
   call for all envs, synced once per rollout;
 - torch runs on one CPU thread unless the user chose otherwise, except in ``train()`` when the Q-network's matrix
   products are large (batch x layer inputs x outputs >= 2M multiply-adds, e.g. the RL Zoo's 256x256 nets): there
@@ -30,9 +30,9 @@ from stable_baselines3.common.noise import ActionNoise
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
 from sb3_speedups.common.acting.actors import ParameterMirror
-from sb3_speedups.common.acting.lean_mlp import LeanMlp
-from sb3_speedups.common.nn.blocked import BufferedMlpForward, forward_in_blocks
-from sb3_speedups.dqn.update import AutogradQUpdate, ManualQUpdate, huber_, q_mlp_unsupported_reason
+from sb3_speedups.common.acting.torch_mlp import TorchMlp
+from sb3_speedups.common.nn.blocked import BlockedMlpForward, forward_in_blocks
+from sb3_speedups.dqn.update import AutogradQUpdate, HandDerivedQUpdate, huber_, q_mlp_unsupported_reason
 from sb3_speedups.dqn.replay.buffers import PrioritizedReplayBuffer, PrioritizedReplayBufferSamples
 from sb3_speedups.dqn.replay.sampling import (
     batchable,
@@ -56,16 +56,16 @@ SelfDQN = TypeVar("SelfDQN", bound="DQN")
 class _Speedups:
     """Speed-only state, rebuilt when the policy or its optimizer state is replaced (never saved)."""
 
-    updater: ManualQUpdate | AutogradQUpdate
+    updater: HandDerivedQUpdate | AutogradQUpdate
     fallback_reason: str | None
     mirror: ParameterMirror | None
-    actor: LeanMlp | None
+    actor: TorchMlp | None
     online: list[th.Tensor]
     target: list[th.Tensor]
     #: inputs x outputs of the Q-network's largest ``Linear`` layer (for the update's thread count)
     largest_linear: int
     #: the target network's forward into kept buffers (with the hand-derived update), else ``None``
-    target_forward: BufferedMlpForward | None
+    target_forward: BlockedMlpForward | None
 
 
 class DQN(stable_baselines3.DQN):
@@ -172,14 +172,16 @@ class DQN(stable_baselines3.DQN):
         if speed is not None and speed.updater.policy is self.policy and speed.updater.is_bound():
             return speed
         reason = self.fast_path_unsupported_reason()
-        updater: ManualQUpdate | AutogradQUpdate = AutogradQUpdate(self.policy) if reason else ManualQUpdate(self.policy)
+        updater: HandDerivedQUpdate | AutogradQUpdate = (
+            AutogradQUpdate(self.policy) if reason else HandDerivedQUpdate(self.policy)
+        )
         mirror, actor, target_forward = None, None, None
         if reason is None:
-            target_forward = BufferedMlpForward.from_sequential(self.q_net_target.q_net)
+            target_forward = BlockedMlpForward.from_sequential(self.q_net_target.q_net)
             params = list(self.q_net.parameters())
             mirror = ParameterMirror(params, "cpu")
             lookup = {id(p): c for p, c in zip(params, mirror.copies, strict=True)}
-            actor = LeanMlp.from_module(self.q_net.q_net, lambda t: lookup[id(t)])
+            actor = TorchMlp.from_module(self.q_net.q_net, lambda t: lookup[id(t)])
         elif self.verbose >= 1:
             print(f"sb3_speedups DQN: using the autograd update ({reason})")
         online = [*self.q_net.parameters(), *self.batch_norm_stats]
@@ -226,7 +228,7 @@ class DQN(stable_baselines3.DQN):
     # ----- update -------------------------------------------------------------------------------------------------
 
     def _targets(
-        self, data: ReplayBufferSamples, next_q_target: th.Tensor, updater: ManualQUpdate | AutogradQUpdate
+        self, data: ReplayBufferSamples, next_q_target: th.Tensor, updater: HandDerivedQUpdate | AutogradQUpdate
     ) -> th.Tensor:
         """:return: the TD targets ``r + (1 - done) * discount * Q_target(s', a')`` for one minibatch"""
         if self.double_q:
@@ -247,7 +249,7 @@ class DQN(stable_baselines3.DQN):
         threads = update_num_threads(batch_size * speed.largest_linear, self.num_threads, self.device)
         # The hand-derived update needs no autograd: without its dispatch every op is cheaper. The TD errors it returns
         # are inference tensors (read-only outside); its cached buffers are normal tensors.
-        with num_threads_during(threads), th.inference_mode(isinstance(speed.updater, ManualQUpdate)):
+        with num_threads_during(threads), th.inference_mode(isinstance(speed.updater, HandDerivedQUpdate)):
             if _is_prioritized(self.replay_buffer):
                 weights = self._train_prioritized(speed.updater, gradient_steps, batch_size, tds)
             elif batchable(self.replay_buffer):
@@ -276,7 +278,7 @@ class DQN(stable_baselines3.DQN):
 
     def _step(
         self,
-        updater: ManualQUpdate | AutogradQUpdate,
+        updater: HandDerivedQUpdate | AutogradQUpdate,
         data: ReplayBufferSamples,
         weights: th.Tensor | None,
         next_q_target: th.Tensor | None = None,
@@ -288,7 +290,7 @@ class DQN(stable_baselines3.DQN):
         return updater.step(data.observations, data.actions, target, weights, self.max_grad_norm)
 
     def _train_batched(
-        self, updater: ManualQUpdate | AutogradQUpdate, gradient_steps: int, batch_size: int, tds: list[th.Tensor]
+        self, updater: HandDerivedQUpdate | AutogradQUpdate, gradient_steps: int, batch_size: int, tds: list[th.Tensor]
     ) -> None:
         buffer = self.replay_buffer
         assert buffer is not None
@@ -308,7 +310,7 @@ class DQN(stable_baselines3.DQN):
                     tds.append(updater.step(obs[rows], actions[rows], targets[rows], None, self.max_grad_norm))
 
     def _train_prioritized(
-        self, updater: ManualQUpdate | AutogradQUpdate, gradient_steps: int, batch_size: int, tds: list[th.Tensor]
+        self, updater: HandDerivedQUpdate | AutogradQUpdate, gradient_steps: int, batch_size: int, tds: list[th.Tensor]
     ) -> list[th.Tensor]:
         """:return: the importance-sampling weights of every minibatch (for the logged loss)"""
         buffer: Any = self.replay_buffer

@@ -1,7 +1,7 @@
 """
 One DQN gradient step (Huber loss on Q(s, a) against a given target, gradient clipping, Adam), two ways:
 
-- :class:`ManualQUpdate`: for an MLP ``QNetwork`` (flat ``Box`` observations, ``Linear`` layers with ReLU or Tanh,
+- :class:`HandDerivedQUpdate`: for an MLP ``QNetwork`` (flat ``Box`` observations, ``Linear`` layers with ReLU or Tanh,
   stock Adam): hand-derived forward and backward into preallocated buffers, flat parameters and one fused Adam
   kernel (:mod:`sb3_speedups.common.nn.optim`), clipping without a host sync;
 - :class:`AutogradQUpdate`: any other Q-network (dueling heads, CNN, ``Dict`` observations, custom optimizer),
@@ -30,7 +30,7 @@ from sb3_speedups.common.nn.optim import FlatAdam, FlatParameters, adam_unsuppor
 def q_mlp_unsupported_reason(policy: DQNPolicy) -> str | None:
     """
     :param policy: the DQN policy
-    :return: why :class:`ManualQUpdate` cannot run it, or ``None`` when it can
+    :return: why :class:`HandDerivedQUpdate` cannot run it, or ``None`` when it can
     """
     q_net = policy.q_net
     if type(q_net) is not QNetwork:
@@ -55,7 +55,7 @@ def huber_(d: th.Tensor, weights: th.Tensor | None) -> th.Tensor:
     return (F.smooth_l1_loss(d, th.zeros_like(d), reduction="none") * weights).mean()
 
 
-class ManualQUpdate:
+class HandDerivedQUpdate:
     """
     Hand-derived DQN update of an MLP ``QNetwork`` (check :func:`q_mlp_unsupported_reason` first).
 
@@ -152,7 +152,7 @@ class AutogradQUpdate:
         weights: th.Tensor | None,
         max_grad_norm: float,
     ) -> th.Tensor:
-        """Same contract as :meth:`ManualQUpdate.step`."""
+        """Same contract as :meth:`HandDerivedQUpdate.step`."""
         q = th.gather(self.policy.q_net(obs), dim=1, index=actions.long())
         loss = F.smooth_l1_loss(q, target) if weights is None else huber_(q - target, weights)
         optimizer = self.policy.optimizer

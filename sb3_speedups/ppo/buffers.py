@@ -90,7 +90,7 @@ def _zeros(shape: tuple[int, ...], dtype: Any) -> tuple[th.Tensor, np.ndarray]:
     return tensor, tensor.numpy()
 
 
-class PreallocatedRollout:
+class FastRolloutBase:
     """Shared part of the two buffers: storage allocated once, ``add`` without copies of copies, GAE bookkeeping."""
 
     buffer_size: int
@@ -226,7 +226,7 @@ class PreallocatedRollout:
         return [self.flat(name)[index].to(device) for name in ("actions", "values", "log_probs", "advantages", "returns")]
 
 
-class FastRolloutBuffer(PreallocatedRollout, RolloutBuffer):
+class FastRolloutBuffer(FastRolloutBase, RolloutBuffer):
     """
     Drop-in ``RolloutBuffer`` (same constructor, attributes and ``get``) with storage allocated once and GAE
     recomputable with a newer value function. ``get`` does not rearrange the storage.
@@ -261,7 +261,7 @@ class FastRolloutBuffer(PreallocatedRollout, RolloutBuffer):
             yield RolloutBufferSamples(obs, *self._common_samples(rows, self.device))
 
 
-class FastDictRolloutBuffer(PreallocatedRollout, DictRolloutBuffer):
+class FastDictRolloutBuffer(FastRolloutBase, DictRolloutBuffer):
     """The ``Dict``-observation twin of :class:`FastRolloutBuffer` (a drop-in ``DictRolloutBuffer``)."""
 
     def _allocate(self) -> None:

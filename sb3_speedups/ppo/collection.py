@@ -18,7 +18,7 @@ from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_speedups.common.timeouts import bootstrap_timeouts
 from sb3_speedups.common.vec_env.stepping import SubsetSteppingMixin
-from sb3_speedups.ppo.buffers import PreallocatedRollout
+from sb3_speedups.ppo.buffers import FastRolloutBase
 from sb3_speedups.errors import UserError
 
 
@@ -38,7 +38,7 @@ def record_step(
     model: BaseAlgorithm,
     env: VecEnv,
     callback: BaseCallback,
-    rollout_buffer: PreallocatedRollout,
+    rollout_buffer: FastRolloutBase,
     actor: Actor,
     gamma: float,
     step_locals: dict[str, Any],
@@ -76,14 +76,14 @@ def collect_rollout(
     model: BaseAlgorithm,
     env: VecEnv,
     callback: BaseCallback,
-    rollout_buffer: PreallocatedRollout,
+    rollout_buffer: FastRolloutBase,
     n_rollout_steps: int,
     actor: Actor,
     gamma: float,
 ) -> bool:
     """
     Fill ``rollout_buffer`` with ``n_rollout_steps`` steps of every env and compute its advantages
-    (``OnPolicyAlgorithm.collect_rollouts`` with a lean actor).
+    (``OnPolicyAlgorithm.collect_rollouts`` with a frozen actor).
 
     :param model: the algorithm (its ``_last_obs``, ``num_timesteps``, info buffers and gSDE settings are used)
     :param env: the training env
@@ -166,7 +166,7 @@ def collect_rollout_double_buffered(
     model: BaseAlgorithm,
     env: VecEnv,
     callback: BaseCallback,
-    rollout_buffer: PreallocatedRollout,
+    rollout_buffer: FastRolloutBase,
     n_rollout_steps: int,
     actor: Actor,
     gamma: float,

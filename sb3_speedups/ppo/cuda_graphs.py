@@ -17,10 +17,10 @@ import torch as th
 
 from sb3_speedups.common.ppo_loss import STATS, PPOLossConfig
 from sb3_speedups.ppo.minibatches import MinibatchSampler
-from sb3_speedups.ppo.update import ManualPPOUpdate
+from sb3_speedups.ppo.update import HandDerivedPPOUpdate
 
 
-def graph_key(updater: ManualPPOUpdate, sampler: MinibatchSampler, cfg: PPOLossConfig) -> tuple:
+def graph_key(updater: HandDerivedPPOUpdate, sampler: MinibatchSampler, cfg: PPOLossConfig) -> tuple:
     """
     :return: what a recorded epoch depends on besides the numbers read from device tensors: the objects and the
         addresses of their buffers, and the loss's and Adam's constant coefficients
@@ -34,17 +34,17 @@ def graph_key(updater: ManualPPOUpdate, sampler: MinibatchSampler, cfg: PPOLossC
 
 class GraphedEpochs:
     """
-    Runs PPO epochs of a :class:`ManualPPOUpdate` on a CUDA device: the first one op by op (it also warms up the
+    Runs PPO epochs of a :class:`HandDerivedPPOUpdate` on a CUDA device: the first one op by op (it also warms up the
     libraries, as recording needs), every later one as one replay of the graph recorded after it.
 
     The clip ranges and the learning rate, which schedules change, are read from the updater's device scalars
-    (:meth:`ManualPPOUpdate.set_device_scalars`); everything in :func:`graph_key` must stay as it was recorded.
+    (:meth:`HandDerivedPPOUpdate.set_device_scalars`); everything in :func:`graph_key` must stay as it was recorded.
 
     :param updater: the update (its policy on a CUDA device)
     :param sampler: the rollout sampler on the same device
     """
 
-    def __init__(self, updater: ManualPPOUpdate, sampler: MinibatchSampler) -> None:
+    def __init__(self, updater: HandDerivedPPOUpdate, sampler: MinibatchSampler) -> None:
         self.key: tuple | None = None  # graph_key() once the first epoch has made the epoch buffers
         self.updater, self.sampler = updater, sampler
         self.device = sampler.device

@@ -5,7 +5,7 @@ PPO as in Stable-Baselines3, faster. What differs from stock, and why it is fast
   per rollout, one batched call per vectorised step, into a buffer allocated once
   (:class:`~sb3_speedups.ppo.buffers.FastRolloutBuffer`);
 - ``train()`` shuffles once per epoch (:class:`~sb3_speedups.ppo.minibatches.MinibatchSampler`), keeps the
-  statistics on the device until the end, and updates with :class:`~sb3_speedups.ppo.update.ManualPPOUpdate`
+  statistics on the device until the end, and updates with :class:`~sb3_speedups.ppo.update.HandDerivedPPOUpdate`
   (hand-derived gradients, flat buffers, fused Adam) for MLP policies, else with the autograd
   :class:`~sb3_speedups.ppo.update.AutogradPPOUpdate`; with ``split_update`` the critic's half of every minibatch
   update runs beside the actor's in a forked helper process (:mod:`sb3_speedups.ppo.split_update`), and on a CUDA
@@ -35,19 +35,19 @@ from stable_baselines3.common.preprocessing import is_image_space
 from stable_baselines3.common.utils import FloatSchedule, obs_as_tensor
 from stable_baselines3.common.vec_env import VecEnv
 
-from sb3_speedups.common.acting.actors import LeanActorCritic, ModuleActorCritic
+from sb3_speedups.common.acting.actors import FrozenActorCritic, ModuleActorCritic
 from sb3_speedups.common.nn.heads import make_head
 from sb3_speedups.common.nn.optim import adam_unsupported_reason
 from sb3_speedups.common.nn.training import mlp_unsupported_reason
 from sb3_speedups.common.ppo_loss import STATS, PPOLossConfig, kl_stops, record_train_stats, start_train
 from sb3_speedups.common.torch_utils import apply_num_threads
 from sb3_speedups.errors import UserValueError
-from sb3_speedups.ppo.buffers import PreallocatedRollout, fast_buffer_class
+from sb3_speedups.ppo.buffers import FastRolloutBase, fast_buffer_class
 from sb3_speedups.ppo.collection import collect_rollout, collect_rollout_double_buffered, double_buffer_unsupported_reason
 from sb3_speedups.ppo.cuda_graphs import GraphedEpochs, graph_key
 from sb3_speedups.ppo.minibatches import Minibatch, MinibatchSampler
 from sb3_speedups.ppo.split_update import SplitPPOUpdate, split_unsupported_reason
-from sb3_speedups.ppo.update import AutogradPPOUpdate, ManualPPOUpdate
+from sb3_speedups.ppo.update import AutogradPPOUpdate, HandDerivedPPOUpdate
 
 SelfPPO = TypeVar("SelfPPO", bound="PPO")
 
@@ -60,8 +60,8 @@ _EPOCH_GATHER_LIMIT = 4096
 class _Speedups:
     """Speed-only state, rebuilt whenever the policy's parameters or optimizer state are replaced (never saved)."""
 
-    updater: ManualPPOUpdate | AutogradPPOUpdate
-    actor: LeanActorCritic | ModuleActorCritic
+    updater: HandDerivedPPOUpdate | AutogradPPOUpdate
+    actor: FrozenActorCritic | ModuleActorCritic
     fallback_reason: str | None
     sampler: MinibatchSampler | None = None
     graphs: GraphedEpochs | None = None
@@ -194,10 +194,10 @@ class PPO(stable_baselines3.PPO):
             head = make_head(self.policy.action_dist, self.action_space)
             assert head is not None
             split = self.split_update_unsupported_reason() is None
-            updater: ManualPPOUpdate | AutogradPPOUpdate = (
-                SplitPPOUpdate(self.policy, head) if split else ManualPPOUpdate(self.policy, head)
+            updater: HandDerivedPPOUpdate | AutogradPPOUpdate = (
+                SplitPPOUpdate(self.policy, head) if split else HandDerivedPPOUpdate(self.policy, head)
             )
-            actor: LeanActorCritic | ModuleActorCritic = LeanActorCritic(self.policy, head, self._inference_device())
+            actor: FrozenActorCritic | ModuleActorCritic = FrozenActorCritic(self.policy, head, self._inference_device())
         else:
             updater = AutogradPPOUpdate(self.policy, compile_loss=self.compile_loss)
             actor = ModuleActorCritic(self.policy, self._inference_device())
@@ -226,7 +226,9 @@ class PPO(stable_baselines3.PPO):
         key = (self.n_steps, self.n_envs, self.batch_size, self.device, normalize)
         if sampler is None or (sampler.n_steps, sampler.n_envs, sampler.batch_size, sampler.device, sampler.normalize) != key:
             obs_bytes = sum(int(np.prod(s.shape or ())) * np.dtype(s.dtype).itemsize for s in self._observation_spaces())
-            gather = "epoch" if isinstance(speed.updater, ManualPPOUpdate) or obs_bytes <= _EPOCH_GATHER_LIMIT else "minibatch"
+            gather = (
+                "epoch" if isinstance(speed.updater, HandDerivedPPOUpdate) or obs_bytes <= _EPOCH_GATHER_LIMIT else "minibatch"
+            )
             sampler = speed.sampler = MinibatchSampler(*key, gather_observations=gather)
         return sampler
 
@@ -239,7 +241,7 @@ class PPO(stable_baselines3.PPO):
     def collect_rollouts(
         self, env: VecEnv, callback: BaseCallback, rollout_buffer: RolloutBuffer, n_rollout_steps: int
     ) -> bool:
-        if not isinstance(rollout_buffer, PreallocatedRollout):
+        if not isinstance(rollout_buffer, FastRolloutBase):
             if self.double_buffer:
                 raise UserValueError(
                     f"double_buffer=True needs the default rollout buffer, not {type(rollout_buffer).__name__}"
@@ -263,7 +265,7 @@ class PPO(stable_baselines3.PPO):
 
     def _load_rollout(self, speed: _Speedups, sampler: MinibatchSampler) -> None:
         buffer = self.rollout_buffer
-        assert isinstance(buffer, PreallocatedRollout)
+        assert isinstance(buffer, FastRolloutBase)
         scalars = th.stack([buffer.flat(name) for name in ("values", "log_probs", "advantages", "returns")])
         updater = speed.updater
         sampler.load(
@@ -274,7 +276,7 @@ class PPO(stable_baselines3.PPO):
 
     def _recompute_advantages(self, speed: _Speedups, sampler: MinibatchSampler) -> None:
         buffer = self.rollout_buffer
-        assert isinstance(buffer, PreallocatedRollout)
+        assert isinstance(buffer, FastRolloutBase)
         updater = speed.updater
 
         def values_of(obs: Any) -> np.ndarray:
@@ -287,7 +289,7 @@ class PPO(stable_baselines3.PPO):
 
     def train(self) -> None:
         """Update the policy on the collected rollout: SB3's PPO loss, minus its per-minibatch overheads."""
-        if not isinstance(self.rollout_buffer, PreallocatedRollout):
+        if not isinstance(self.rollout_buffer, FastRolloutBase):
             return super().train()
         speed = self._ensure_speedups()
         sampler = self._sampler(speed)
@@ -296,7 +298,7 @@ class PPO(stable_baselines3.PPO):
         stats = th.empty(self.n_epochs * math.ceil(sampler.n / self.batch_size), len(STATS), device=self.device)
         # The hand-derived update needs no autograd: without its dispatch every op is cheaper. Its cached buffers are
         # allocated as normal tensors all the same.
-        with th.inference_mode(isinstance(speed.updater, ManualPPOUpdate)):
+        with th.inference_mode(isinstance(speed.updater, HandDerivedPPOUpdate)):
             rows, last_epoch_start = self._run_epochs(speed, sampler, cfg, stats)
         record_train_stats(self, stats[:rows], last_epoch_start, cfg)
 
@@ -345,7 +347,7 @@ class PPO(stable_baselines3.PPO):
 
     def _minibatch_updates(
         self,
-        updater: ManualPPOUpdate | AutogradPPOUpdate,
+        updater: HandDerivedPPOUpdate | AutogradPPOUpdate,
         sampler: MinibatchSampler,
         cfg: PPOLossConfig,
         stat_rows: Sequence[th.Tensor],
@@ -379,9 +381,9 @@ class PPO(stable_baselines3.PPO):
             ``None`` to run op by op (CPU, autograd update, ``target_kl``)
         """
         updater = speed.updater
-        if isinstance(updater, ManualPPOUpdate):
+        if isinstance(updater, HandDerivedPPOUpdate):
             updater.use_host_scalars()
-        if not (self.cuda_graphs and self.device.type == "cuda" and isinstance(updater, ManualPPOUpdate)):
+        if not (self.cuda_graphs and self.device.type == "cuda" and isinstance(updater, HandDerivedPPOUpdate)):
             return None
         if self.target_kl is not None or not sampler.per_epoch_obs:
             return None

@@ -31,7 +31,7 @@ from sb3_speedups.common.ppo_loss import VALUE_LOSS, PPOLossConfig
 from sb3_speedups.common.torch_utils import available_cpus
 from sb3_speedups.ppo.helper_process import CommandChannel, HelperError, HelperProcess, deferred_sigint
 from sb3_speedups.ppo.minibatches import OLD_VALUES, RETURNS, Minibatch, MinibatchSampler
-from sb3_speedups.ppo.update import ManualPPOUpdate
+from sb3_speedups.ppo.update import HandDerivedPPOUpdate
 
 __all__ = ["HelperError", "SplitPPOUpdate", "allow_split_updates", "deferred_sigint", "split_unsupported_reason"]
 
@@ -102,14 +102,14 @@ class _Epoch:
     scalars: th.Tensor
 
 
-class SplitPPOUpdate(ManualPPOUpdate):
+class SplitPPOUpdate(HandDerivedPPOUpdate):
     """
-    :class:`~sb3_speedups.ppo.update.ManualPPOUpdate` with the critic's half of every minibatch
-    (:meth:`~sb3_speedups.ppo.update.ManualPPOUpdate.critic_loss`) computed in a forked helper process (see the
+    :class:`~sb3_speedups.ppo.update.HandDerivedPPOUpdate` with the critic's half of every minibatch
+    (:meth:`~sb3_speedups.ppo.update.HandDerivedPPOUpdate.critic_loss`) computed in a forked helper process (see the
     module's docstring). The same numbers as the one-process update of unstacked networks. ``PPO.train()`` drives
     it through its :class:`~sb3_speedups.ppo.update.TrainHooks`.
 
-    :param policy: as for :class:`ManualPPOUpdate`
+    :param policy: as for :class:`HandDerivedPPOUpdate`
     :param head: the policy's action head
     """
 
@@ -166,7 +166,7 @@ class SplitPPOUpdate(ManualPPOUpdate):
         self._helper.post(_GRAD, mb.start, mb.end, row)
 
     def forward(self, mb: Minibatch, cfg: PPOLossConfig, stats: th.Tensor) -> None:
-        """The actor's half of :meth:`ManualPPOUpdate.forward` (the value loss's statistic comes at :meth:`end_train`)."""
+        """The actor's half of :meth:`HandDerivedPPOUpdate.forward` (the value loss's statistic comes at :meth:`end_train`)."""
         obs = mb.observations
         assert isinstance(obs, th.Tensor)
         ws = self._ws.get(obs.shape[0]) or self.workspace(obs.shape[0], obs.device)

@@ -3,7 +3,7 @@ One PPO minibatch update, two ways with one interface (``forward`` -> ``backward
 computing the loss of :mod:`sb3_speedups.common.ppo_loss` and writing its statistics (:data:`STATS`, means over the
 minibatch) into a row of a tensor without a host sync:
 
-- :class:`ManualPPOUpdate`: the standard MLP case with the loss's gradient derived by hand (no autograd graph),
+- :class:`HandDerivedPPOUpdate`: the standard MLP case with the loss's gradient derived by hand (no autograd graph),
   every intermediate in a preallocated buffer, gradients straight into one flat buffer, one fused Adam step. Its
   actor half (surrogate and entropy: actor parameters only) and critic half (value loss: critic parameters only) are
   separate methods, which :class:`~sb3_speedups.ppo.split_update.SplitPPOUpdate` runs in two processes.
@@ -27,7 +27,7 @@ import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.policies import ActorCriticPolicy
 
-from sb3_speedups.common.acting.actors import lean_head, policy_latents
+from sb3_speedups.common.acting.actors import standard_head, policy_latents
 from sb3_speedups.common.nn.heads import ActionHead
 from sb3_speedups.common.nn.optim import FlatAdam, FlatOptimizerStep
 from sb3_speedups.common.nn.training import ActorCriticMlp
@@ -45,7 +45,7 @@ from sb3_speedups.common.ppo_loss import (
 )
 from sb3_speedups.ppo.minibatches import Minibatch, MinibatchSampler
 
-__all__ = ["STATS", "VALUE_LOSS", "AutogradPPOUpdate", "ManualPPOUpdate", "PPOLossConfig", "TrainHooks", "approx_kl"]
+__all__ = ["STATS", "VALUE_LOSS", "AutogradPPOUpdate", "HandDerivedPPOUpdate", "PPOLossConfig", "TrainHooks", "approx_kl"]
 
 
 class TrainHooks:
@@ -78,8 +78,8 @@ class TrainHooks:
 
 
 @dataclass
-class ManualWorkspace:
-    """A minibatch size's per-sample buffers of :class:`ManualPPOUpdate`, allocated once."""
+class HandDerivedWorkspace:
+    """A minibatch size's per-sample buffers of :class:`HandDerivedPPOUpdate`, allocated once."""
 
     n: int
     #: ``[len(STATS), n]``: the per-sample terms whose means make a stats row
@@ -106,7 +106,7 @@ class ManualWorkspace:
 
     @classmethod
     @th.inference_mode(False)
-    def allocate(cls, n: int, device: th.device, head: ActionHead) -> ManualWorkspace:
+    def allocate(cls, n: int, device: th.device, head: ActionHead) -> HandDerivedWorkspace:
         """Normal tensors even when allocated under inference mode (train() runs there), so they work in any mode."""
         # zeros: the split update's actor process never writes the value loss's row, whose mean must then be 0
         rows = th.zeros(len(STATS), n, device=device)
@@ -137,7 +137,7 @@ class ManualWorkspace:
         )
 
 
-class ManualPPOUpdate(TrainHooks):
+class HandDerivedPPOUpdate(TrainHooks):
     """
     Hand-derived PPO update of an MLP ``ActorCriticPolicy``; building it moves the policy's parameters into one
     flat buffer (:class:`~sb3_speedups.common.nn.optim.FlatParameters`) and its Adam state into :class:`FlatAdam`.
@@ -154,10 +154,10 @@ class ManualPPOUpdate(TrainHooks):
         self.net = ActorCriticMlp(policy, split=split)
         self.flat = self.net.flat
         self.adam = FlatAdam(self.flat, policy.optimizer)
-        self._ws: dict[int, ManualWorkspace] = {}
+        self._ws: dict[int, HandDerivedWorkspace] = {}
         self._device_scalars: th.Tensor | None = None
         self._scalars: th.Tensor | None = None  # the device scalars while they are in use
-        self._pending: ManualWorkspace | None = None  # the last forward's, for backward
+        self._pending: HandDerivedWorkspace | None = None  # the last forward's, for backward
         self._pending_ent_coef = 0.0
 
     def set_device_scalars(self, cfg: PPOLossConfig, lr: float) -> None:
@@ -194,11 +194,11 @@ class ManualPPOUpdate(TrainHooks):
         """:return: the observations as the network's float input ``[N, obs_dim]``"""
         return observations.reshape(observations.shape[0], -1).float()
 
-    def workspace(self, n: int, device: th.device) -> ManualWorkspace:
+    def workspace(self, n: int, device: th.device) -> HandDerivedWorkspace:
         """:return: the buffers for minibatches of ``n`` samples (allocated on first use)"""
         ws = self._ws.get(n)
         if ws is None:
-            ws = self._ws[n] = ManualWorkspace.allocate(n, device, self.head)
+            ws = self._ws[n] = HandDerivedWorkspace.allocate(n, device, self.head)
         return ws
 
     def forward(self, mb: Minibatch, cfg: PPOLossConfig, stats: th.Tensor) -> None:
@@ -211,12 +211,12 @@ class ManualPPOUpdate(TrainHooks):
         self.critic_loss(ws, values, mb.old_values, mb.returns, cfg)
         self.write_stats(ws, cfg, stats)
 
-    def write_stats(self, ws: ManualWorkspace, cfg: PPOLossConfig, stats: th.Tensor) -> None:
+    def write_stats(self, ws: HandDerivedWorkspace, cfg: PPOLossConfig, stats: th.Tensor) -> None:
         """Write the means of the per-sample terms into ``stats`` and keep ``ws`` for :meth:`backward`."""
         th.mv(ws.rows, ws.mean_weights, out=stats)  # all the means as one product: cheaper than sum and divide
         self._pending, self._pending_ent_coef = ws, cfg.ent_coef
 
-    def actor_loss(self, ws: ManualWorkspace, mb: Minibatch, cfg: PPOLossConfig, out: th.Tensor) -> None:
+    def actor_loss(self, ws: HandDerivedWorkspace, mb: Minibatch, cfg: PPOLossConfig, out: th.Tensor) -> None:
         """The actor's half: surrogate and entropy terms into their stats rows, ``d loss / d log_prob`` into ``ws``."""
         row = ws.stat_rows
         self.head.forward(ws.head, out, mb.actions, self.net.log_std, ws.log_prob, row[ENTROPY_LOSS])
@@ -235,14 +235,14 @@ class ManualPPOUpdate(TrainHooks):
         th.le(s1, s2, out=ws.mask)
         th.addcmul(ws.zeros, s1, ws.mask, value=-1.0 / ws.n, out=ws.g_log_prob)
 
-    def actor_output_gradient(self, ws: ManualWorkspace, ent_coef: float) -> th.Tensor:
+    def actor_output_gradient(self, ws: HandDerivedWorkspace, ent_coef: float) -> th.Tensor:
         """:return: ``d loss / d (actor output)`` of the minibatch of ``ws`` (the log-std's gradient is written too)"""
         d_out = self.net.d_out_buffer(ws.n)
         self.head.backward(ws.head, ws.g_log_prob, -ent_coef / ws.n, d_out, self.net.grad_log_std)
         return d_out
 
     def critic_loss(
-        self, ws: ManualWorkspace, values: th.Tensor, old_values: th.Tensor, returns: th.Tensor, cfg: PPOLossConfig
+        self, ws: HandDerivedWorkspace, values: th.Tensor, old_values: th.Tensor, returns: th.Tensor, cfg: PPOLossConfig
     ) -> None:
         """The critic's half: squared value errors into the value loss's stats row, ``d loss / d V`` into ``ws``."""
         err, scalars = ws.err, self._scalars
@@ -289,7 +289,7 @@ class AutogradPPOUpdate(TrainHooks):
 
     def __init__(self, policy: ActorCriticPolicy, compile_loss: bool = False) -> None:
         self.policy = policy
-        self.head = lean_head(policy)
+        self.head = standard_head(policy)
         self.step = FlatOptimizerStep(policy, policy.optimizer)
         self.flat, self.adam = self.step.flat, self.step.adam
         self._discrete = isinstance(policy.action_space, spaces.Discrete)

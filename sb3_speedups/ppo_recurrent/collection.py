@@ -1,5 +1,5 @@
 """
-Lean rollout collection for recurrent policies: one plain-tensor pass per vectorised step.
+Rollout collection for recurrent policies: one plain-tensor pass per vectorised step.
 
 sb3-contrib's per-step path goes through ``policy.forward`` (module calls, distribution objects, ``RNNStates``
 rebuilt), a ``deepcopy`` of the states and a per-env Python loop for the timeout bootstrap. Here the standard policy
@@ -27,15 +27,15 @@ from torch import nn
 
 from sb3_speedups.common.nn.heads import ActionHead, make_head
 from sb3_speedups.common.acting.actors import box_env_actions
-from sb3_speedups.common.acting.lean_mlp import LeanMlp
+from sb3_speedups.common.acting.torch_mlp import TorchMlp
 from sb3_speedups.common.nn.mlp import parse_mlp
 from sb3_speedups.common.timeouts import bootstrap_timeouts
 
 State = tuple[th.Tensor, th.Tensor]
 
 
-def lean_unsupported_reason(policy: nn.Module) -> str | None:
-    """:return: why :class:`LeanRecurrentActor` cannot act for ``policy``, or ``None`` when it can"""
+def frozen_actor_unsupported_reason(policy: nn.Module) -> str | None:
+    """:return: why :class:`FrozenRecurrentActor` cannot act for ``policy``, or ``None`` when it can"""
     if not isinstance(policy, RecurrentActorCriticPolicy):
         return "not a RecurrentActorCriticPolicy"
     cls = type(policy)
@@ -50,7 +50,7 @@ def lean_unsupported_reason(policy: nn.Module) -> str | None:
     if policy.lstm_critic is None:
         return "the critic has no recurrent layer of its own (shared_lstm or enable_critic_lstm=False)"
     if policy.use_sde or make_head(policy.action_dist, policy.action_space) is None:
-        return "the action distribution has no lean head (gSDE or a custom distribution)"
+        return "the action distribution has no hand-written head (gSDE or a custom distribution)"
     nets = (policy.mlp_extractor.policy_net, policy.mlp_extractor.value_net, policy.action_net, policy.value_net)
     if any(isinstance(parse_mlp(net), str) for net in nets):
         return "the MLP extractor or the heads are not plain MLPs"
@@ -81,16 +81,16 @@ def rnn_step(rnn: nn.Module, x: th.Tensor, state: State, keep: th.Tensor | None 
     return out[0], (h, c)
 
 
-class LeanRecurrentActor:
+class FrozenRecurrentActor:
     """
-    Acts for all envs with a policy :func:`lean_unsupported_reason` accepts, on its live parameters (build it again
+    Acts for all envs with a policy :func:`frozen_actor_unsupported_reason` accepts, on its live parameters (build it again
     after the parameters' storage moved, e.g. once per rollout).
 
     :param policy: the recurrent policy
     """
 
     def __init__(self, policy: RecurrentActorCriticPolicy) -> None:
-        reason = lean_unsupported_reason(policy)
+        reason = frozen_actor_unsupported_reason(policy)
         if reason is not None:
             raise ValueError(reason)
         head = make_head(policy.action_dist, policy.action_space)
@@ -98,10 +98,10 @@ class LeanRecurrentActor:
         self.head: ActionHead = head
         self.policy, self.device = policy, policy.device
         same = lambda t: t  # noqa: E731  (live parameters: inference_mode records no graph)
-        self.pi = LeanMlp.from_module(policy.mlp_extractor.policy_net, same)
-        self.vf = LeanMlp.from_module(policy.mlp_extractor.value_net, same)
-        self.action_net = LeanMlp.from_module(policy.action_net, same)
-        self.value_net = LeanMlp.from_module(policy.value_net, same)
+        self.pi = TorchMlp.from_module(policy.mlp_extractor.policy_net, same)
+        self.vf = TorchMlp.from_module(policy.mlp_extractor.value_net, same)
+        self.action_net = TorchMlp.from_module(policy.action_net, same)
+        self.value_net = TorchMlp.from_module(policy.value_net, same)
         self.log_std = getattr(policy, "log_std", None)
         self.env_actions = box_env_actions(policy, policy.action_space)
 
@@ -136,7 +136,7 @@ class LeanRecurrentActor:
 
 
 def bootstrap_recurrent_timeouts(
-    actor: LeanRecurrentActor,
+    actor: FrozenRecurrentActor,
     rewards: np.ndarray,
     dones: np.ndarray,
     infos: list[dict[str, Any]],
@@ -153,10 +153,10 @@ def bootstrap_recurrent_timeouts(
 
 
 def collect_recurrent_rollout(
-    model: Any, env: VecEnv, callback: BaseCallback, rollout_buffer: Any, n_rollout_steps: int, actor: LeanRecurrentActor
+    model: Any, env: VecEnv, callback: BaseCallback, rollout_buffer: Any, n_rollout_steps: int, actor: FrozenRecurrentActor
 ) -> bool:
     """
-    sb3-contrib's ``RecurrentPPO.collect_rollouts`` with :class:`LeanRecurrentActor` (same callbacks, buffer
+    sb3-contrib's ``RecurrentPPO.collect_rollouts`` with :class:`FrozenRecurrentActor` (same callbacks, buffer
     contents, ``_last_lstm_states``/``_last_obs``/``_last_episode_starts`` and timeout bootstrap).
 
     :param model: the ``RecurrentPPO``

@@ -33,7 +33,11 @@ from sb3_speedups.common.nn.optim import FlatOptimizerStep
 from sb3_speedups.common.ppo_loss import kl_stops, record_train_stats, start_train
 from sb3_speedups.common.torch_utils import apply_num_threads
 from sb3_speedups.ppo_recurrent.buffers import FastRecurrentRolloutBuffer
-from sb3_speedups.ppo_recurrent.collection import LeanRecurrentActor, collect_recurrent_rollout, lean_unsupported_reason
+from sb3_speedups.ppo_recurrent.collection import (
+    FrozenRecurrentActor,
+    collect_recurrent_rollout,
+    frozen_actor_unsupported_reason,
+)
 from sb3_speedups.ppo_recurrent.policies import (
     FAST_POLICIES,
     CnnGruPolicy,
@@ -88,11 +92,11 @@ class RecurrentPPO(sb3_contrib.RecurrentPPO):
         return [*super()._excluded_save_params(), "num_threads", "_optimizer_step"]
 
     def collect_rollouts(self, env: VecEnv, callback: BaseCallback, rollout_buffer: Any, n_rollout_steps: int) -> bool:
-        """sb3-contrib's collection; with the lean actor when the policy is standard (see the module docstring)."""
-        if self.use_sde or lean_unsupported_reason(self.policy) is not None:
+        """sb3-contrib's collection; with the frozen actor when the policy is standard (see the module docstring)."""
+        if self.use_sde or frozen_actor_unsupported_reason(self.policy) is not None:
             return super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps)
         # Built per rollout: cheap, and it follows the parameters wherever train() moved their storage.
-        actor = LeanRecurrentActor(self.policy)  # type: ignore[arg-type]
+        actor = FrozenRecurrentActor(self.policy)  # type: ignore[arg-type]
         return collect_recurrent_rollout(self, env, callback, rollout_buffer, n_rollout_steps, actor)
 
     def train(self) -> None:

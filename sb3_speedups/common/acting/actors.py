@@ -1,12 +1,12 @@
 """
-Lean batched policy calls for collecting experience, from a frozen copy of the policy synced once per rollout.
+Batched policy calls for collecting experience, from a frozen copy of the policy synced once per rollout.
 
 - :class:`ParameterMirror`: plain-tensor copies of a module's parameters on the acting device (CPU), refreshed with
   one copy when the source tensors share one flat buffer (:class:`sb3_speedups.common.nn.optim.FlatParameters`).
-- :class:`~sb3_speedups.common.acting.lean_mlp.LeanMlp` (torch) and
+- :class:`~sb3_speedups.common.acting.torch_mlp.TorchMlp` (torch) and
   :class:`~sb3_speedups.common.acting.numpy_actor.NumpyActorCritic` (numpy): the acting executors of the MLP
   description (:mod:`sb3_speedups.common.nn.mlp`).
-- :class:`LeanActorCritic`: the actor for an MLP ``ActorCriticPolicy``: one forward for all envs, sampling that draws
+- :class:`FrozenActorCritic`: the actor for an MLP ``ActorCriticPolicy``: one forward for all envs, sampling that draws
   torch's RNG exactly as ``torch.distributions`` does (so the first rollout equals stock SB3's for one seed).
 - :class:`ModuleActorCritic`: the same interface for any other policy (CNN, ``Dict`` observations, gSDE, custom),
   calling the policy itself, or a copy of it on the acting device.
@@ -28,7 +28,7 @@ from stable_baselines3.common.policies import ActorCriticPolicy, BasePolicy
 from stable_baselines3.common.utils import obs_as_tensor
 from torch import nn
 
-from sb3_speedups.common.acting.lean_mlp import LeanMlp
+from sb3_speedups.common.acting.torch_mlp import TorchMlp
 from sb3_speedups.common.acting.numpy_actor import NumpyActorCritic
 from sb3_speedups.common.nn.actor_critic import flat_layout, parse_actor_critic
 from sb3_speedups.common.nn.heads import ActionHead, make_head
@@ -110,7 +110,7 @@ def box_env_actions(policy: BasePolicy, action_space: spaces.Space) -> Callable[
     return lambda actions: np.clip(actions, low, high)
 
 
-class LeanActorCritic:
+class FrozenActorCritic:
     """
     Frozen plain-tensor copy of an MLP ``ActorCriticPolicy`` (flat ``Box`` observations, no gSDE) for collection.
 
@@ -136,8 +136,8 @@ class LeanActorCritic:
         lookup = {id(t): c for t, c in zip(order, self.mirror.copies, strict=True)}
         mirrored = ac.map(lambda t: lookup[id(t)])
         chains = [stack([mirrored.pi, mirrored.vf], self._pair)] if self.stacked else [mirrored.pi, mirrored.vf]
-        self.latents = [LeanMlp(chain) for chain in chains]
-        self.action_net, self.value_net = LeanMlp(mirrored.action), LeanMlp(mirrored.value)
+        self.latents = [TorchMlp(chain) for chain in chains]
+        self.action_net, self.value_net = TorchMlp(mirrored.action), TorchMlp(mirrored.value)
         self.log_std = mirrored.log_std
         self.env_actions = box_env_actions(policy, policy.action_space)
         self._numpy = NumpyActorCritic.build(chains, mirrored.action, mirrored.value) if self.device.type == "cpu" else None
@@ -209,7 +209,7 @@ def policy_latents(policy: ActorCriticPolicy, obs: Any) -> tuple[th.Tensor, th.T
     return policy.mlp_extractor.forward_actor(features[0]), policy.mlp_extractor.forward_critic(features[1])
 
 
-def lean_head(policy: nn.Module) -> ActionHead | None:
+def standard_head(policy: nn.Module) -> ActionHead | None:
     """:return: the action head to use instead of the policy's distribution objects, or ``None`` to call the policy"""
     if not _plain_forward(policy) or getattr(policy, "use_sde", False):
         return None
@@ -269,7 +269,8 @@ def _rebind(module: nn.Module, tensors: list[th.Tensor]) -> None:
 class ModuleActorCritic:
     """
     The actor for any ``ActorCriticPolicy``: calls the policy itself, or a copy of it on ``device`` when the policy
-    lives elsewhere (a GPU) or ``copy=True``. Standard action distributions are sampled with the lean heads.
+    lives elsewhere (a GPU) or ``copy=True``. Standard action distributions are sampled with the heads of
+    :mod:`sb3_speedups.common.nn.heads`.
 
     :param policy: the training policy
     :param device: where to act
@@ -284,7 +285,7 @@ class ModuleActorCritic:
         if self.policy is not policy:
             self.mirror = ParameterMirror([*policy.parameters(), *policy.buffers()], self.device)
             _rebind(self.policy, self.mirror.copies)
-        self.head = lean_head(policy)
+        self.head = standard_head(policy)
         self.env_actions = box_env_actions(policy, policy.action_space)
 
     def sync(self) -> None:

@@ -1,6 +1,6 @@
 """
 Forwards of many rows a block at a time (the activations of thousands of rows spill out of the CPU caches):
-:class:`BufferedMlpForward`, the blocked executor of an MLP description (:mod:`sb3_speedups.common.nn.mlp`), into
+:class:`BlockedMlpForward`, the blocked executor of an MLP description (:mod:`sb3_speedups.common.nn.mlp`), into
 buffers kept from call to call, and :func:`forward_in_blocks` for any row-wise module.
 """
 
@@ -14,7 +14,7 @@ from torch import nn
 from sb3_speedups.common.nn.mlp import Mlp, biases, parse_output_mlp
 
 
-class BufferedMlpForward:
+class BlockedMlpForward:
     """
     ``mlp(x)`` for ``Linear`` layers with ReLU or Tanh between them (an SB3 ``QNetwork.q_net``), ``rows`` rows at a
     time, into buffers kept from call to call. Same operations as the module's own forward (``addmm``, then torch's
@@ -40,7 +40,7 @@ class BufferedMlpForward:
         self._out: dict[int, th.Tensor] = {}
 
     @classmethod
-    def from_sequential(cls, seq: nn.Module, rows: int = 1024) -> BufferedMlpForward | None:
+    def from_sequential(cls, seq: nn.Module, rows: int = 1024) -> BlockedMlpForward | None:
         """:return: the forward of ``Linear, act, ..., Linear`` (as ``QNetwork.q_net``), or ``None`` if not that"""
         mlp = parse_output_mlp(seq)
         return None if isinstance(mlp, str) else cls(mlp, rows)

@@ -7,7 +7,7 @@ shaped networks side by side (``[G, out, in]`` weights), which run as one batche
 
 - :mod:`sb3_speedups.common.nn.training`: forward and backward into kept buffers (:class:`MlpChain`);
 - :mod:`sb3_speedups.common.nn.blocked`: forward of many rows, a block at a time, into kept buffers;
-- :mod:`sb3_speedups.common.acting.lean_mlp`: torch forward for acting;
+- :mod:`sb3_speedups.common.acting.torch_mlp`: torch forward for acting;
 - :mod:`sb3_speedups.common.acting.numpy_actor`: numpy forward for acting on the CPU.
 
 Each executor runs the same operations as the module's own forward; which activations an executor can run is in the

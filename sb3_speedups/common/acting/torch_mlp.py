@@ -13,7 +13,7 @@ from torch import nn
 from sb3_speedups.common.nn.mlp import NONE, Mlp, parse_mlp
 
 
-class LeanMlp:
+class TorchMlp:
     """
     An MLP run on the tensors of its description with the module's own kernels (``addmm``, torch's activations out of
     place). Stacked (``G`` networks side by side), each layer is one ``baddbmm`` and the output is ``[G, n, out]``.
@@ -36,7 +36,7 @@ class LeanMlp:
         ]
 
     @classmethod
-    def from_module(cls, seq: nn.Module, mirror: Callable[[th.Tensor], th.Tensor]) -> LeanMlp:
+    def from_module(cls, seq: nn.Module, mirror: Callable[[th.Tensor], th.Tensor]) -> TorchMlp:
         """
         :param seq: a module :func:`~sb3_speedups.common.nn.mlp.parse_mlp` accepts
         :param mirror: maps each source parameter to its plain-tensor copy (e.g. from a ``ParameterMirror``)
