@@ -19,7 +19,7 @@ from gymnasium import spaces
 from stable_baselines3.common.buffers import DictRolloutBuffer, RolloutBuffer
 from stable_baselines3.common.type_aliases import DictRolloutBufferSamples, RolloutBufferSamples
 
-from sb3_speedups.common.timeouts import Timeouts
+from sb3_speedups.common.on_policy.timeouts import Timeouts
 
 
 @dataclass

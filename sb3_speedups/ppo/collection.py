@@ -16,7 +16,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.vec_env import VecEnv
 
-from sb3_speedups.common.timeouts import bootstrap_timeouts
+from sb3_speedups.common.on_policy.timeouts import bootstrap_timeouts
 from sb3_speedups.common.vec_env.stepping import SubsetSteppingMixin
 from sb3_speedups.ppo.buffers import FastRolloutBase
 from sb3_speedups.errors import UserError

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch as th
 
-from sb3_speedups.common.ppo_loss import STATS, PPOLossConfig
+from sb3_speedups.common.on_policy.ppo_loss import STATS, PPOLossConfig
 from sb3_speedups.ppo.minibatches import MinibatchSampler
 from sb3_speedups.ppo.update import HandDerivedPPOUpdate
 

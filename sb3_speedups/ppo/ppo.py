@@ -39,7 +39,7 @@ from sb3_speedups.common.acting.actors import FrozenActorCritic, ModuleActorCrit
 from sb3_speedups.common.nn.heads import make_head
 from sb3_speedups.common.nn.optim import adam_unsupported_reason
 from sb3_speedups.common.nn.training import mlp_unsupported_reason
-from sb3_speedups.common.ppo_loss import STATS, PPOLossConfig, kl_stops, record_train_stats, start_train
+from sb3_speedups.common.on_policy.ppo_loss import STATS, PPOLossConfig, kl_stops, record_train_stats, start_train
 from sb3_speedups.common.torch_utils import apply_num_threads
 from sb3_speedups.errors import UserValueError
 from sb3_speedups.ppo.buffers import FastRolloutBase, fast_buffer_class

@@ -27,7 +27,7 @@ from stable_baselines3.common.policies import ActorCriticPolicy
 
 from sb3_speedups.common.nn.heads import ActionHead
 from sb3_speedups.common.nn.optim import shared_zeros
-from sb3_speedups.common.ppo_loss import VALUE_LOSS, PPOLossConfig
+from sb3_speedups.common.on_policy.ppo_loss import VALUE_LOSS, PPOLossConfig
 from sb3_speedups.common.torch_utils import available_cpus
 from sb3_speedups.ppo.helper_process import CommandChannel, HelperError, HelperProcess, deferred_sigint
 from sb3_speedups.ppo.minibatches import OLD_VALUES, RETURNS, Minibatch, MinibatchSampler

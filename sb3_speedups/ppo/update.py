@@ -1,6 +1,6 @@
 """
 One PPO minibatch update, two ways with one interface (``forward`` -> ``backward`` -> ``optimizer_step``), both
-computing the loss of :mod:`sb3_speedups.common.ppo_loss` and writing its statistics (:data:`STATS`, means over the
+computing the loss of :mod:`sb3_speedups.common.on_policy.ppo_loss` and writing its statistics (:data:`STATS`, means over the
 minibatch) into a row of a tensor without a host sync:
 
 - :class:`HandDerivedPPOUpdate`: the standard MLP case with the loss's gradient derived by hand (no autograd graph),
@@ -31,7 +31,7 @@ from sb3_speedups.common.acting.actors import standard_head, policy_latents
 from sb3_speedups.common.nn.heads import ActionHead
 from sb3_speedups.common.nn.optim import FlatAdam, FlatOptimizerStep
 from sb3_speedups.common.nn.training import ActorCriticMlp
-from sb3_speedups.common.ppo_loss import (
+from sb3_speedups.common.on_policy.ppo_loss import (
     CLIP_FRACTION,
     ENTROPY_LOSS,
     LOG_RATIO,

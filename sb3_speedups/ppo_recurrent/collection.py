@@ -29,7 +29,7 @@ from sb3_speedups.common.nn.heads import ActionHead, make_head
 from sb3_speedups.common.acting.actors import box_env_actions
 from sb3_speedups.common.acting.torch_mlp import TorchMlp
 from sb3_speedups.common.nn.mlp import parse_mlp
-from sb3_speedups.common.timeouts import bootstrap_timeouts
+from sb3_speedups.common.on_policy.timeouts import bootstrap_timeouts
 
 State = tuple[th.Tensor, th.Tensor]
 
@@ -143,7 +143,7 @@ def bootstrap_recurrent_timeouts(
     states: RNNStates,
     gamma: float,
 ) -> None:
-    """:func:`~sb3_speedups.common.timeouts.bootstrap_timeouts` with values from the critic's state after the step."""
+    """:func:`~sb3_speedups.common.on_policy.timeouts.bootstrap_timeouts`, valued from the critic's state after the step."""
 
     def values_of(envs: np.ndarray, obs: np.ndarray) -> th.Tensor:
         rows = th.as_tensor(envs, device=actor.device)

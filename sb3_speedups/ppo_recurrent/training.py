@@ -3,7 +3,7 @@ RecurrentPPO's minibatch loss as sb3-contrib computes it, without host syncs.
 
 sb3-contrib takes masked means with boolean indexing (``x[mask].mean()``) and calls ``.item()`` four times per
 minibatch. Here the padding mask multiplies instead (the same means: padded entries are excluded, up to float
-rounding), and the loss is PPO's (:func:`~sb3_speedups.common.ppo_loss.ppo_loss`) with those masked means, its
+rounding), and the loss is PPO's (:func:`~sb3_speedups.common.on_policy.ppo_loss.ppo_loss`) with those masked means, its
 statistics a tensor row per minibatch in PPO's layout. Adam is one fused step over one flat gradient buffer
 (:class:`~sb3_speedups.common.nn.optim.FlatOptimizerStep`) after one norm for the clipping.
 """
@@ -14,7 +14,7 @@ import torch as th
 from sb3_contrib.common.recurrent.type_aliases import RecurrentRolloutBufferSamples
 from torch import nn
 
-from sb3_speedups.common.ppo_loss import PPOLossConfig, ppo_loss
+from sb3_speedups.common.on_policy.ppo_loss import PPOLossConfig, ppo_loss
 
 
 def masked_mean(x: th.Tensor, mask: th.Tensor, count: th.Tensor) -> th.Tensor:
@@ -33,7 +33,7 @@ def recurrent_ppo_loss(
     :param cfg: coefficients
     :param normalize_advantage: normalise the advantages over the minibatch's real (unpadded) entries
     :param discrete: whether the actions are ``Discrete`` (sent as ``long`` indices)
-    :return: the loss and its statistics row (:data:`~sb3_speedups.common.ppo_loss.STATS`), detached
+    :return: the loss and its statistics row (:data:`~sb3_speedups.common.on_policy.ppo_loss.STATS`), detached
     """
     actions = data.actions.long().flatten() if discrete else data.actions
     mask = data.mask

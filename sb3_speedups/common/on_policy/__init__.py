@@ -1,0 +1,1 @@
+"""What the on-policy algorithms (PPO, RecurrentPPO) share: the PPO loss and its statistics, the timeout bootstrap."""
