@@ -196,3 +196,72 @@ def test_stock_algorithms_with_rl_zoo_files(algo, env_id, params, log_folder):
             "--eval-episodes", "1", "--no-progress", "--verbose", "0"]  # fmt: skip
     assert main(argv + (["-params", *params] if params else [])) == 0
     assert (log_folder / algo / f"{env_id}_1" / f"{env_id}.zip").is_file()
+
+
+NUMERIC_FLAGS = [
+    ["train", "--algo", "ppo", "--env", "CartPole-v1", "-n", "-5"],
+    ["train", "--algo", "ppo", "--env", "CartPole-v1", "-n", "0"],
+    ["train", "--algo", "ppo", "--env", "CartPole-v1", "-n", "abc"],
+    ["train", "--algo", "ppo", "--env", "CartPole-v1", "--eval-freq", "-1"],
+    ["train", "--algo", "ppo", "--env", "CartPole-v1", "--n-eval-envs", "0"],
+    ["train", "--algo", "ppo", "--env", "CartPole-v1", "--save-freq", "-3"],
+    ["train", "--algo", "ppo", "--env", "CartPole-v1", "--seed", "-1"],
+    ["train", "--algo", "ppo", "--env", "CartPole-v1", "--verbose", "5"],
+    ["train", "--algo", "ppo", "--env", "CartPole-v1", "--num-threads", "0"],
+    ["enjoy", "--algo", "ppo", "--env", "CartPole-v1", "--n-episodes", "0"],
+    ["tune", "--algo", "ppo", "--env", "CartPole-v1", "--n-trials", "0"],
+    ["tune", "--algo", "ppo", "--env", "CartPole-v1", "--n-jobs", "-2"],
+    ["tune", "--algo", "ppo", "--env", "CartPole-v1", "--timeout", "-1"],
+    ["tune", "--algo", "ppo", "--env", "CartPole-v1", "--trial-seeds", "1.5"],
+    ["bench", "--algo", "ppo", "--env", "CartPole-v1", "--seeds", "1", "-2"],
+    ["bench-vec-env", "--n-envs", "0"],
+]
+
+
+@pytest.mark.parametrize("argv", NUMERIC_FLAGS, ids=lambda argv: " ".join(argv[:1] + argv[-2:]))
+def test_out_of_range_numbers_give_one_line_and_exit_2(argv, capsys):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert len(captured.err.strip().splitlines()) == 1, captured.err
+    assert captured.err.startswith(f"sb3-speedups {argv[0]}: error: argument ") and "expected " in captured.err
+
+
+def test_version_and_help_show_every_default(capsys):
+    import sb3_speedups
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"sb3-speedups {sb3_speedups.__version__}"
+    assert main(["train", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: 25000)", "(default: dummy)", "(default: logs)", "(default: 1)", "(default: True)"):
+        assert default in text
+
+
+def _train_argv(log_folder: Path, *extra: str) -> list[str]:
+    return ["train", "--algo", "ppo", "--env", "CartPole-v1", "-n", "2000", "--seed", "0", "-f", str(log_folder),
+            "--eval-freq", "500", "--eval-episodes", "1", *FAST_PPO[:1], "n_envs:2", "n_steps:64", "batch_size:64",
+            "n_epochs:1", *extra]  # fmt: skip
+
+
+def test_default_run_fits_on_a_screen(log_folder: Path):
+    proc = run_cli(*_train_argv(log_folder))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    # header, 4 evaluations, the progress bar, where it saved, the final return
+    assert len(lines) <= 8, proc.stdout
+    assert sum(line.startswith("Evaluation at ") for line in lines) == 4
+    assert lines[-2].startswith("Saved ") and lines[-1].startswith("Final mean return over 1 episodes")
+    assert proc.stderr == ""
+
+
+@pytest.mark.parametrize("flags, tables, lines", [(["--verbose", "2"], True, None), (["--verbose", "0"], False, 2),
+                                                  (["--quiet", "--verbose", "2"], False, 0)])  # fmt: skip
+def test_verbosity_levels(flags, tables, lines, log_folder: Path, capsys):
+    assert main(_train_argv(log_folder, "--no-progress", *flags)) == 0
+    out = capsys.readouterr().out
+    assert ("| rollout/" in out) == tables
+    if lines is not None:
+        assert len(out.splitlines()) == lines, out
+    if lines == 2:
+        assert out.startswith("Saved ") and "Final mean return" in out

@@ -40,7 +40,7 @@ class TrialJob:
     :param device: torch device
     :param stock: use the stock SB3 / sb3-contrib class
     :param num_threads: torch threads, ``-1`` for the package default
-    :param verbose: verbosity of the model
+    :param verbose: verbosity of the training, as :attr:`TrainConfig.verbose` (2: the model's logger tables)
     :param concurrent_trainers: trainings that run at once on this machine (workers x seeds per trial); PPO's split
         update (a helper process per training) only runs where each gets 2 CPUs
     """

@@ -60,7 +60,7 @@ class Objective:
         return TrialJob(
             config.algo, config.env_id, hyperparams, self.plan.n_timesteps, self.plan.eval_points, config.n_eval_episodes,
             config.n_eval_envs, config.conf_file, config.vec_env, config.device, config.stock, config.num_threads,
-            verbose=max(config.verbose - 2, 0), concurrent_trainers=config.n_jobs * config.trial_seeds,
+            verbose=max(config.verbose - 1, 0), concurrent_trainers=config.n_jobs * config.trial_seeds,
         )  # fmt: skip
 
     def __call__(self, trial: optuna.Trial) -> float:
