@@ -59,19 +59,6 @@ _ERROR_BYTES = 4096
 _PR_SET_PDEATHSIG = 1
 _DEFERRED_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
-_allowed = True
-
-
-def allow_split_updates(allowed: bool) -> None:
-    """
-    Allow or forbid helper processes for ``split_update="auto"`` in this process (the tuner forbids them when it
-    trains several trials at once: each trial already has a core).
-
-    :param allowed: whether ``"auto"`` may start a helper
-    """
-    global _allowed
-    _allowed = allowed
-
 
 def split_unsupported_reason(policy: ActorCriticPolicy, explicit: bool) -> str | None:
     """
@@ -85,8 +72,6 @@ def split_unsupported_reason(policy: ActorCriticPolicy, explicit: bool) -> str |
         return "split updates run on the CPU"
     if explicit:
         return None
-    if not _allowed:
-        return "this process trains beside others (split updates forbidden)"
     if available_cpus() < 2:
         return "fewer than 2 CPUs"
     if th.get_num_threads() != 1:

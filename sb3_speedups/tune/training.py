@@ -14,10 +14,10 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.vec_env import VecEnv, sync_envs_normalization
 
-from sb3_speedups.ppo.split_update import allow_split_updates
 from sb3_speedups.common.torch_utils import apply_num_threads, available_cpus
 from sb3_speedups.zoo.envs import is_atari, make_env
 from sb3_speedups.zoo.train import TrainConfig, create_model, prepare_experiment
+from sb3_speedups.zoo.validation import accepted_kwargs
 
 # (evaluation number from 1, mean return) -> whether to keep training
 Report = Callable[[int, float], bool]
@@ -146,8 +146,10 @@ def train_seed(job: TrialJob, seed: int, report: Report) -> SeedResult:
     )  # fmt: skip
     experiment = prepare_experiment(config)
     apply_num_threads(job.num_threads if job.num_threads > 0 else None)
-    allow_split_updates(2 * job.concurrent_trainers <= available_cpus())
     hp = experiment.hyperparams
+    # PPO's split update takes a second core per training: not where the trainings at once already use them all
+    if 2 * job.concurrent_trainers > available_cpus() and "split_update" in accepted_kwargs(experiment.algo_cls):
+        hp.model_kwargs.setdefault("split_update", False)
     env = make_env(job.env_id, hp, hp.n_envs, seed, vec_env=job.vec_env)
     eval_env = make_env(job.env_id, hp, job.n_eval_envs, seed + 1000, eval_env=True)
     try:
