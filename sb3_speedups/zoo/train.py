@@ -29,6 +29,10 @@ from sb3_speedups.zoo.hyperparams import Hyperparams, preprocess_hyperparams, re
 from sb3_speedups.zoo.validation import validate_model_kwargs
 
 
+# The evaluation env's seed is the run's plus this (its episodes differ from the training env's).
+EVAL_SEED_OFFSET = 1000
+
+
 @dataclass
 class TrainConfig:
     """
@@ -240,7 +244,7 @@ def train(config: TrainConfig) -> TrainResult:
     if config.trained_agent:
         normalize_stats = Path(config.trained_agent).parent / runs.VECNORMALIZE_FILE
     env = make_env(config.env_id, hp, hp.n_envs, experiment.seed, run_dir, config.vec_env, normalize_stats=normalize_stats)
-    eval_env = make_env(config.env_id, hp, config.n_eval_envs, experiment.seed + 1000, eval_env=True)
+    eval_env = make_env(config.env_id, hp, config.n_eval_envs, experiment.seed + EVAL_SEED_OFFSET, eval_env=True)
     interrupted = False
     try:
         model = create_model(experiment, env)
@@ -267,6 +271,8 @@ def train(config: TrainConfig) -> TrainResult:
         if interrupted:
             return TrainResult(run_dir, model_path, float("nan"), float("nan"), interrupted=True)
         sync_envs_normalization(env, eval_env)
+        # seeded afresh: the final return does not depend on how many periodic evaluations ran (as in tune's trials)
+        eval_env.seed(experiment.seed + EVAL_SEED_OFFSET)
         mean_return, std_return = evaluate(model, eval_env, config.eval_episodes, True)
     finally:
         _close_quietly(env)
