@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import yaml
@@ -145,7 +146,8 @@ BAD_INPUTS = [
         ["train", "--algo", "ppo", "--env", "CartPole-v1", "--conf-file", "/nonexistent.yml"],
         "cannot read hyperparameters file /nonexistent.yml",
     ),
-    (["enjoy", "--algo", "ppo", "--env", "CartPole-v1", "-f", "/nonexistent-logs"], "no runs of ppo on CartPole-v1"),
+    (["enjoy", "--algo", "ppo", "--env", "CartPole-v1", "-f", "/nonexistent-logs"], "/nonexistent-logs does not exist"),
+    (["enjoy", "--algo", "ppo", "--env", "CartPole-v1", "-f", "/"], "no runs of ppo on CartPole-v1 under /ppo"),
     (["train", "--algo", "ppo", "--env", "CartPole-v1", "-params", "batch_size:1"], "invalid hyperparameters for ppo"),
 ]
 
@@ -265,3 +267,31 @@ def test_verbosity_levels(flags, tables, lines, log_folder: Path, capsys):
         assert len(out.splitlines()) == lines, out
     if lines == 2:
         assert out.startswith("Saved ") and "Final mean return" in out
+
+
+class _NeedsOpenCV(gym.Env):
+    def __init__(self) -> None:
+        raise gym.error.DependencyNotInstalled('opencv-python is not installed, run `pip install "gymnasium[other]"`')
+
+
+class _NeedsRobotics(gym.Env):
+    def __init__(self) -> None:
+        raise ImportError("Reacher-v2 moved to gymnasium-robotics:\npip install gymnasium-robotics")
+
+
+@pytest.mark.parametrize(
+    ("entry_point", "message"),
+    [(_NeedsOpenCV, 'opencv-python is not installed, run `pip install "gymnasium[other]"`'),
+     (_NeedsRobotics, "Reacher-v2 moved to gymnasium-robotics: pip install gymnasium-robotics")],
+)  # fmt: skip
+def test_an_env_with_a_missing_dependency_gives_the_library_message_in_one_line(entry_point, message, tmp_path, capsys):
+    env_id = f"UxMissing{entry_point.__name__}-v0"
+    gym.register(env_id, entry_point=entry_point)
+    try:
+        conf = tmp_path / "conf.yml"
+        conf.write_text(f"{env_id}:\n  policy: MlpPolicy\n  n_envs: 1\n  n_timesteps: 100\n")
+        assert main(["train", "--algo", "ppo", "--env", env_id, "-conf", str(conf), "-f", str(tmp_path)]) == 2
+    finally:
+        del gym.registry[env_id]
+    err = capsys.readouterr().err
+    assert err == f"sb3-speedups train: error: cannot make {env_id}: {message}\n"
