@@ -169,8 +169,7 @@ def _wait_for_running(log_folder: Path, count: int, proc: subprocess.Popen, time
     raise AssertionError(f"no {count} running trials: {proc.communicate()[0].decode()[-2000:]}")
 
 
-# long enough trials that the interrupt lands while they train: the tests signal ~1 s after a trial starts, and a
-# 20,000-step trial took 0.7-1.9 s here (one CI run caught it finished); 200,000 steps take several seconds
+# long enough trials that the interrupt lands while they train (the tests signal ~1 s after a trial starts)
 SLOW = ["-n", "200000", "--n-evaluations", "2", "--seed", "4", "--verbose", "1"]
 
 
