@@ -1,31 +1,39 @@
-# Targets as in SB3's Makefile. `make test` and `make train` set up .venv on first use.
+# Targets as in SB3's Makefile. `make train` sets up .venv with what training needs; `make test` (and the lint, type
+# and bench targets) add the test extras on first use.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 LINT_PATHS := sb3_speedups tests scripts
 
+# torch first, pinned, so that pip never picks another torch build for the project's `torch>=2.3`
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install torch==2.13.0
+	$(VENV)/bin/pip install -e .
+	touch $@
+
+$(VENV)/.installed-tests: $(VENV)/.installed
 	$(VENV)/bin/pip install -e ".[tests]"
 	touch $@
 
-.PHONY: install test train lint format type bench
+.PHONY: install install-tests test train lint format type bench
 install: $(VENV)/.installed
 
-test: $(VENV)/.installed
+install-tests: $(VENV)/.installed-tests
+
+test: $(VENV)/.installed-tests
 	$(PY) -m pytest
 
 train: $(VENV)/.installed
 	$(VENV)/bin/sb3-speedups train --algo ppo --env CartPole-v1 --seed 1
 
-lint: $(VENV)/.installed
+lint: $(VENV)/.installed-tests
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 
-format: $(VENV)/.installed
+format: $(VENV)/.installed-tests
 	$(VENV)/bin/ruff format $(LINT_PATHS)
 
-type: $(VENV)/.installed
+type: $(VENV)/.installed-tests
 	$(VENV)/bin/mypy sb3_speedups
 
 bench: $(VENV)/.installed

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import yaml
@@ -145,7 +146,8 @@ BAD_INPUTS = [
         ["train", "--algo", "ppo", "--env", "CartPole-v1", "--conf-file", "/nonexistent.yml"],
         "cannot read hyperparameters file /nonexistent.yml",
     ),
-    (["enjoy", "--algo", "ppo", "--env", "CartPole-v1", "-f", "/nonexistent-logs"], "no runs of ppo on CartPole-v1"),
+    (["enjoy", "--algo", "ppo", "--env", "CartPole-v1", "-f", "/nonexistent-logs"], "/nonexistent-logs does not exist"),
+    (["enjoy", "--algo", "ppo", "--env", "CartPole-v1", "-f", "/"], "no runs of ppo on CartPole-v1 under /ppo"),
     (["train", "--algo", "ppo", "--env", "CartPole-v1", "-params", "batch_size:1"], "invalid hyperparameters for ppo"),
 ]
 
@@ -196,3 +198,100 @@ def test_stock_algorithms_with_rl_zoo_files(algo, env_id, params, log_folder):
             "--eval-episodes", "1", "--no-progress", "--verbose", "0"]  # fmt: skip
     assert main(argv + (["-params", *params] if params else [])) == 0
     assert (log_folder / algo / f"{env_id}_1" / f"{env_id}.zip").is_file()
+
+
+NUMERIC_FLAGS = [
+    ["train", "--algo", "ppo", "--env", "CartPole-v1", "-n", "-5"],
+    ["train", "--algo", "ppo", "--env", "CartPole-v1", "-n", "0"],
+    ["train", "--algo", "ppo", "--env", "CartPole-v1", "-n", "abc"],
+    ["train", "--algo", "ppo", "--env", "CartPole-v1", "--eval-freq", "-1"],
+    ["train", "--algo", "ppo", "--env", "CartPole-v1", "--n-eval-envs", "0"],
+    ["train", "--algo", "ppo", "--env", "CartPole-v1", "--save-freq", "-3"],
+    ["train", "--algo", "ppo", "--env", "CartPole-v1", "--seed", "-1"],
+    ["train", "--algo", "ppo", "--env", "CartPole-v1", "--verbose", "5"],
+    ["train", "--algo", "ppo", "--env", "CartPole-v1", "--num-threads", "0"],
+    ["enjoy", "--algo", "ppo", "--env", "CartPole-v1", "--n-episodes", "0"],
+    ["tune", "--algo", "ppo", "--env", "CartPole-v1", "--n-trials", "0"],
+    ["tune", "--algo", "ppo", "--env", "CartPole-v1", "--n-jobs", "-2"],
+    ["tune", "--algo", "ppo", "--env", "CartPole-v1", "--timeout", "-1"],
+    ["tune", "--algo", "ppo", "--env", "CartPole-v1", "--trial-seeds", "1.5"],
+    ["bench", "--algo", "ppo", "--env", "CartPole-v1", "--seeds", "1", "-2"],
+    ["bench-vec-env", "--n-envs", "0"],
+]
+
+
+@pytest.mark.parametrize("argv", NUMERIC_FLAGS, ids=lambda argv: " ".join(argv[:1] + argv[-2:]))
+def test_out_of_range_numbers_give_one_line_and_exit_2(argv, capsys):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert len(captured.err.strip().splitlines()) == 1, captured.err
+    assert captured.err.startswith(f"sb3-speedups {argv[0]}: error: argument ") and "expected " in captured.err
+
+
+def test_version_and_help_show_every_default(capsys):
+    import sb3_speedups
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"sb3-speedups {sb3_speedups.__version__}"
+    assert main(["train", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: 25000)", "(default: dummy)", "(default: logs)", "(default: 1)", "(default: True)"):
+        assert default in text
+
+
+def _train_argv(log_folder: Path, *extra: str) -> list[str]:
+    return ["train", "--algo", "ppo", "--env", "CartPole-v1", "-n", "2000", "--seed", "0", "-f", str(log_folder),
+            "--eval-freq", "500", "--eval-episodes", "1", *FAST_PPO[:1], "n_envs:2", "n_steps:64", "batch_size:64",
+            "n_epochs:1", *extra]  # fmt: skip
+
+
+def test_default_run_fits_on_a_screen(log_folder: Path):
+    proc = run_cli(*_train_argv(log_folder))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    # header, 4 evaluations, the progress bar, where it saved, the final return
+    assert len(lines) <= 8, proc.stdout
+    assert sum(line.startswith("Evaluation at ") for line in lines) == 4
+    assert lines[-2].startswith("Saved ") and lines[-1].startswith("Final mean return over 1 episodes")
+    assert proc.stderr == ""
+
+
+@pytest.mark.parametrize("flags, tables, lines", [(["--verbose", "2"], True, None), (["--verbose", "0"], False, 2),
+                                                  (["--quiet", "--verbose", "2"], False, 0)])  # fmt: skip
+def test_verbosity_levels(flags, tables, lines, log_folder: Path, capsys):
+    assert main(_train_argv(log_folder, "--no-progress", *flags)) == 0
+    out = capsys.readouterr().out
+    assert ("| rollout/" in out) == tables
+    if lines is not None:
+        assert len(out.splitlines()) == lines, out
+    if lines == 2:
+        assert out.startswith("Saved ") and "Final mean return" in out
+
+
+class _NeedsOpenCV(gym.Env):
+    def __init__(self) -> None:
+        raise gym.error.DependencyNotInstalled('opencv-python is not installed, run `pip install "gymnasium[other]"`')
+
+
+class _NeedsRobotics(gym.Env):
+    def __init__(self) -> None:
+        raise ImportError("Reacher-v2 moved to gymnasium-robotics:\npip install gymnasium-robotics")
+
+
+@pytest.mark.parametrize(
+    ("entry_point", "message"),
+    [(_NeedsOpenCV, 'opencv-python is not installed, run `pip install "gymnasium[other]"`'),
+     (_NeedsRobotics, "Reacher-v2 moved to gymnasium-robotics: pip install gymnasium-robotics")],
+)  # fmt: skip
+def test_an_env_with_a_missing_dependency_gives_the_library_message_in_one_line(entry_point, message, tmp_path, capsys):
+    env_id = f"UxMissing{entry_point.__name__}-v0"
+    gym.register(env_id, entry_point=entry_point)
+    try:
+        conf = tmp_path / "conf.yml"
+        conf.write_text(f"{env_id}:\n  policy: MlpPolicy\n  n_envs: 1\n  n_timesteps: 100\n")
+        assert main(["train", "--algo", "ppo", "--env", env_id, "-conf", str(conf), "-f", str(tmp_path)]) == 2
+    finally:
+        del gym.registry[env_id]
+    err = capsys.readouterr().err
+    assert err == f"sb3-speedups train: error: cannot make {env_id}: {message}\n"

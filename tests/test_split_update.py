@@ -134,12 +134,6 @@ def test_split_update_follows_its_argument_and_the_process_rules() -> None:
     assert _model(split_update=False).split_update_unsupported_reason() == "split_update=False"
     assert "recompute_advantages" in str(_model(recompute_advantages=True).split_update_unsupported_reason())
     assert _model(split_update=True).split_update_unsupported_reason() is None
-    split_update.allow_split_updates(False)
-    try:
-        assert "beside others" in str(_model().split_update_unsupported_reason())
-        assert _model(split_update=True).split_update_unsupported_reason() is None
-    finally:
-        split_update.allow_split_updates(True)
     previous = th.get_num_threads()
     model = _model()
     th.set_num_threads(2)
@@ -241,19 +235,20 @@ def test_the_helper_dies_with_its_training_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("trainers", [1, 2])
-def test_tune_trainings_use_split_updates_only_with_two_cpus_each(trainers: int) -> None:
-    from sb3_speedups.tune.training import TrialJob, train_seed
+def test_tune_trainings_use_split_updates_only_with_two_cpus_each(trainers: int, monkeypatch) -> None:
+    from sb3_speedups.tune import training
 
-    job = TrialJob(
+    before = _model().split_update_unsupported_reason()
+    models, create_model = [], training.create_model
+    monkeypatch.setattr(training, "create_model", lambda *args: models.append(create_model(*args)) or models[-1])
+    job = training.TrialJob(
         "ppo", "CartPole-v1", {"n_envs": 2, "n_steps": 16, "batch_size": 32, "n_epochs": 1}, 64, [64], n_eval_episodes=1,
         device="cpu", concurrent_trainers=trainers,
     )  # fmt: skip
-    try:
-        result = train_seed(job, 0, lambda index, value: True)
-        assert len(result.returns) == 1
-        assert split_update._allowed == (2 * trainers <= split_update.available_cpus())
-    finally:
-        split_update.allow_split_updates(True)
+    result = training.train_seed(job, 0, lambda index, value: True)
+    assert len(result.returns) == 1
+    assert models[0].split_update == ("auto" if 2 * trainers <= split_update.available_cpus() else False)
+    assert _model().split_update_unsupported_reason() == before  # nothing process-wide: later trainings decide alone
 
 
 def test_target_kl_stops_the_split_epochs_as_it_stops_the_one_process_ones() -> None:

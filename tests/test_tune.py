@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import multiprocessing
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -68,7 +69,7 @@ def test_sqlite_study_prunes_writes_reports_and_best_config_trains(tmp_path: Pat
         "-f",
         str(tmp_path / "runs"),
         "--eval-freq",
-        "-1",
+        "0",
         "--eval-episodes",
         "1",
         "--no-progress",
@@ -136,7 +137,8 @@ def test_trial_seeds_objective_is_the_mean_and_a_failing_seed_fails_the_trial(tm
     [
         (["--storage", "notes.txt"], "cannot use --storage"),
         (["--storage", "nosuchdb://host/db"], "cannot open storage"),
-        (["--n-trials", "0"], "invalid --n-trials"),
+        (["--n-trials", "0"], "argument --n-trials: expected an integer >= 1, got 0"),
+        (["-n", "100"], "less than the smallest rollout (n_steps 16 x 8 envs)"),
         (["--algo", "a2c"], "nothing to tune"),
     ],
 )
@@ -167,8 +169,7 @@ def _wait_for_running(log_folder: Path, count: int, proc: subprocess.Popen, time
     raise AssertionError(f"no {count} running trials: {proc.communicate()[0].decode()[-2000:]}")
 
 
-# long enough trials that the interrupt lands while they train: the tests signal ~1 s after a trial starts, and a
-# 20,000-step trial took 0.7-1.9 s here (one CI run caught it finished); 200,000 steps take several seconds
+# long enough trials that the interrupt lands while they train (the tests signal ~1 s after a trial starts)
 SLOW = ["-n", "200000", "--n-evaluations", "2", "--seed", "4", "--verbose", "1"]
 
 
@@ -253,3 +254,36 @@ def test_sigterm_fails_the_running_trial_of_a_single_process_run(tmp_path: Path)
     (trial,) = load(tmp_path, "ppo_CartPole-v1").trials
     assert trial.state.name == "FAIL" and trial.user_attrs["interrupted"] is True
     assert "Interrupted" in out and (study_folder(tmp_path, "ppo_CartPole-v1") / "trials.csv").is_file()
+
+
+def test_a_search_space_whose_rollouts_cannot_fit_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    space = write_space(tmp_path / "space.yml", {"n_steps": [32, 1024]})
+    assert main(["tune", *FAST, "-f", str(tmp_path), "--search-space", space]) == 2
+    err = capsys.readouterr().err
+    assert "n_steps up to 1024 x 8 envs = 8192 env steps per rollout, more than the 1024 between" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_trials_fit_their_budget_and_the_best_retrains_to_its_return_with_its_seed(tmp_path: Path, capsys) -> None:
+    # 3,000 steps and 2 evaluations: the built-in space may only offer rollouts of at most 1,500 steps (n_steps <= 128
+    # with the YAML's 8 envs), and each trial trains the whole rollouts that fit in 3,000 steps
+    args = ["--algo", "ppo", "--env", "CartPole-v1", "-n", "3000", "--n-evaluations", "2", "--n-eval-episodes", "3"]
+    args += ["--n-trials", "3", "--seed", "5", "--sampler", "random", "--no-plots", "--verbose", "0", "-f", str(tmp_path)]
+    assert main(["tune", *args]) == 0
+    study = load(tmp_path, "ppo_CartPole-v1")
+    for trial in study.trials:
+        hp = trial.user_attrs["hyperparams"]
+        rollout = hp["n_steps"] * hp["n_envs"]
+        assert rollout <= 1500 and hp["n_timesteps"] == 3000 // rollout * rollout
+    best = study.best_trial
+    path = study_folder(tmp_path, "ppo_CartPole-v1") / "best_hyperparams.yml"
+    text = path.read_text()
+    assert yaml.safe_load(text)["CartPole-v1"] == best.user_attrs["hyperparams"]
+    (seed,) = best.user_attrs["seeds"]
+    command = next(line for line in text.splitlines() if line.startswith(f"# Seed {seed} "))
+    argv = shlex.split(command.partition(": ")[2])
+    assert argv[:2] == ["sb3-speedups", "train"] and f"--seed {seed}" in command
+    capsys.readouterr()
+    assert main([*argv[1:], "-f", str(tmp_path / "runs"), "--no-progress", "--verbose", "0"]) == 0
+    final = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("Final mean return"))
+    assert f"over 3 episodes: {best.value:.2f} +/- " in final

@@ -182,3 +182,13 @@ def test_unknown_names_fail_before_any_trial(tmp_path: Path, params: dict, messa
     space = apply_space_file(SearchSpace(), _write(tmp_path, {"replace": True, "params": params}))
     with pytest.raises(UserError, match=message):
         check_space_names(space, PPO, {"policy": "MlpPolicy"}, "ppo")
+
+
+@pytest.mark.parametrize(("algo", "env_id"), [("ppo", "CartPole-v1"), ("ppo_lstm", "CartPoleNoVel-v1")])
+def test_builtin_on_policy_spaces_offer_only_rollouts_that_fit_between_evaluations(algo: str, env_id: str) -> None:
+    base = read_hyperparams(algo, env_id)
+    algo_cls = get_algo(algo).cls()
+    full = build_space(TuneConfig(algo, env_id), algo_cls, base).params["n_steps"].choices
+    limit = 1000
+    fitted = build_space(TuneConfig(algo, env_id), algo_cls, base, limit).params["n_steps"].choices
+    assert fitted and set(fitted) == {n for n in full if n * base["n_envs"] <= limit} and set(fitted) < set(full)

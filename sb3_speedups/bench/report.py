@@ -16,13 +16,16 @@ def format_table(summary: dict[str, Any], target: bool = False) -> str:
     """
     time_key, time_name = ("median_time_to_target", "median time to target (s)") if target else (
         "median_learn_seconds", "median learn() (s)")  # fmt: skip
-    header = f"| variant | class | threads | {time_name} | speed-up of ours | steps/s | final returns | peak PSS (MB) |"
+    reference = summary.get("reference") or "ours"
+    # named after the reference so that no row reads as its own speed-up
+    header = (
+        f"| variant | class | threads | {time_name} | {reference} is faster by | steps/s | final returns | peak PSS (MB) |"
+    )
     if target:
         header += " success |"
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for variant, stats in summary["variants"].items():
-        ratio = 1.0 if variant == summary.get("reference", "ours") else summary["speedup"].get(variant, float("nan"))
-        speedup = f"{ratio:.2f}x"
+        speedup = "-" if variant == reference else f"{summary['speedup'].get(variant, float('nan')):.2f}x"
         returns = ", ".join(f"{r:.0f}" for r in stats["final_returns"])
         name = stats["class"].rsplit(".", 1)[-1]
         row = (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
+import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,20 +16,30 @@ from stable_baselines3.common.vec_env import VecNormalize
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """
     Yield a temporary path next to ``path``; on success it replaces ``path`` in one rename, on error it is removed,
-    so readers never see a half-written file.
+    so readers never see a half-written file. The file gets the mode an ordinary write would (``0o666`` less the
+    umask), as SB3's own ``save`` does; ``tempfile.mkstemp`` would leave it private (``0o600``).
 
     :param path: the final file path (with its suffix)
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
+    tmp = _create_temp_file(path)
     try:
         yield tmp
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _create_temp_file(path: Path) -> Path:
+    """:return: a new empty file next to ``path``, created with mode ``0o666`` so that the umask applies"""
+    while True:
+        tmp = path.with_name(f".{path.stem}.{secrets.token_hex(4)}.tmp{path.suffix}")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        return tmp
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], object]) -> Path:

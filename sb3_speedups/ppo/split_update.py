@@ -37,19 +37,6 @@ __all__ = ["HelperError", "SplitPPOUpdate", "allow_split_updates", "deferred_sig
 
 _LOAD, _GATHER, _GRAD, _STEP = 1, 2, 3, 4  # the helper's commands
 
-_allowed = True
-
-
-def allow_split_updates(allowed: bool) -> None:
-    """
-    Allow or forbid helper processes for ``split_update="auto"`` in this process (the tuner forbids them when it
-    trains several trials at once: each trial already has a core).
-
-    :param allowed: whether ``"auto"`` may start a helper
-    """
-    global _allowed
-    _allowed = allowed
-
 
 def split_unsupported_reason(policy: ActorCriticPolicy, explicit: bool) -> str | None:
     """
@@ -63,8 +50,6 @@ def split_unsupported_reason(policy: ActorCriticPolicy, explicit: bool) -> str |
         return "split updates run on the CPU"
     if explicit:
         return None
-    if not _allowed:
-        return "this process trains beside others (split updates forbidden)"
     if available_cpus() < 2:
         return "fewer than 2 CPUs"
     if th.get_num_threads() != 1:

@@ -39,7 +39,7 @@ class TuneConfig:
     :param device: torch device
     :param stock: tune the stock SB3 / sb3-contrib class
     :param num_threads: torch threads per process, ``-1`` for the package default
-    :param verbose: 0 quiet, 1 one line per trial, 2 also Optuna's log
+    :param verbose: 0 quiet, 1 one line per trial, 2 also Optuna's log, 3 also the trainings' logger tables
     :param plots: write the PNG plots
     """
 

@@ -13,6 +13,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from sb3_speedups.common.save_util import atomic_write
+from sb3_speedups.tune.config import TuneConfig
 from sb3_speedups.zoo import runs
 
 BEST_FILE = "best_hyperparams.yml"
@@ -22,31 +23,38 @@ IMPORTANCES_FILE = "importances.png"
 MIN_TRIALS_FOR_IMPORTANCES = 2
 
 
-def plain(value: Any) -> Any:
-    """:return: ``value`` as JSON/YAML data: tuples as lists, classes as dotted paths, other objects by ``repr``"""
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    if value is None or isinstance(value, (str, bool, int, float)):
-        return value
-    if isinstance(value, type):
-        return f"{value.__module__}.{value.__qualname__}"
-    return repr(value)
-
-
 def best_trial(study: optuna.Study) -> FrozenTrial | None:
     """:return: the completed trial with the highest return, ``None`` before any completed"""
     complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
     return max(complete, key=lambda t: t.value, default=None)  # type: ignore[arg-type, return-value]
 
 
-def write_best_hyperparams(trial: FrozenTrial, env_id: str, path: Path) -> Path:
+def reproduce_command(config: TuneConfig, path: Path, seed: int) -> str:
+    """:return: the ``train`` command that retrains one seed of a trial and ends with its final evaluation"""
+    flags = [f"--algo {config.algo} --env {config.env_id} -conf {path} --seed {seed}"]
+    flags.append(f"--eval-episodes {config.n_eval_episodes}")
+    if config.n_eval_envs != 1:
+        flags.append(f"--n-eval-envs {config.n_eval_envs}")
+    if config.vec_env != "dummy":
+        flags.append(f"--vec-env {config.vec_env}")
+    if config.stock:
+        flags.append("--stock")
+    if config.device != "auto":
+        flags.append(f"--device {config.device}")
+    return "sb3-speedups train " + " ".join(flags)
+
+
+def write_best_hyperparams(trial: FrozenTrial, config: TuneConfig, path: Path) -> Path:
     """
     The best trial's full hyperparameters as a hyperparameters file (usable as is with ``train --conf-file``);
-    ``n_timesteps`` is the trial budget the result was found with.
+    ``n_timesteps`` is the trial's budget. A comment at the top names its seeds and the command that retrains each.
     """
-    return runs.write_yaml(path, {env_id: dict(sorted(trial.user_attrs["hyperparams"].items()))})
+    seeds, returns = trial.user_attrs.get("seeds", []), trial.user_attrs.get("seed_returns", [])
+    lines = [f"Trial {trial.number}: mean final return {trial.value:.2f} over seed(s) {', '.join(map(str, seeds))}."]
+    for seed, value in zip(seeds, returns, strict=False):
+        lines.append(f"Seed {seed} (final return {value:.2f}): {reproduce_command(config, path, seed)}")
+    data = {config.env_id: dict(sorted(trial.user_attrs["hyperparams"].items()))}
+    return runs.write_yaml(path, data, comment="\n".join(lines))
 
 
 def write_trials_csv(study: optuna.Study, path: Path) -> Path:
@@ -126,19 +134,18 @@ def plot_importances(study: optuna.Study, path: Path) -> Path | None:
     return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
 
 
-def write_reports(study: optuna.Study, folder: Path, env_id: str, plots: bool = True) -> dict[str, Path]:
+def write_reports(study: optuna.Study, folder: Path, config: TuneConfig) -> dict[str, Path]:
     """
     :param study: the study
     :param folder: the study folder
-    :param env_id: env id of the hyperparameters section
-    :param plots: also write the PNG plots (needs matplotlib)
+    :param config: the run's settings (env id, evaluation flags, ``plots``: also write the PNG plots)
     :return: name -> path of what was written
     """
     written = {"trials": write_trials_csv(study, folder / TRIALS_FILE)}
     best = best_trial(study)
     if best is not None and "hyperparams" in best.user_attrs:
-        written["best_hyperparams"] = write_best_hyperparams(best, env_id, folder / BEST_FILE)
-    if plots:
+        written["best_hyperparams"] = write_best_hyperparams(best, config, folder / BEST_FILE)
+    if config.plots:
         try:
             import matplotlib  # noqa: F401
         except ModuleNotFoundError:

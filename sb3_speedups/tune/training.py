@@ -14,10 +14,10 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.vec_env import VecEnv, sync_envs_normalization
 
-from sb3_speedups.ppo.split_update import allow_split_updates
 from sb3_speedups.common.torch_utils import apply_num_threads, available_cpus
 from sb3_speedups.zoo.envs import is_atari, make_env
-from sb3_speedups.zoo.train import TrainConfig, create_model, prepare_experiment
+from sb3_speedups.zoo.train import EVAL_SEED_OFFSET, TrainConfig, create_model, prepare_experiment
+from sb3_speedups.zoo.validation import accepted_kwargs
 
 # (evaluation number from 1, mean return) -> whether to keep training
 Report = Callable[[int, float], bool]
@@ -40,7 +40,7 @@ class TrialJob:
     :param device: torch device
     :param stock: use the stock SB3 / sb3-contrib class
     :param num_threads: torch threads, ``-1`` for the package default
-    :param verbose: verbosity of the model
+    :param verbose: verbosity of the training, as :attr:`TrainConfig.verbose` (2: the model's logger tables)
     :param concurrent_trainers: trainings that run at once on this machine (workers x seeds per trial); PPO's split
         update (a helper process per training) only runs where each gets 2 CPUs
     """
@@ -78,18 +78,24 @@ def eval_points(n_timesteps: int, n_evaluations: int, eval_freq: int = -1) -> li
 class EvalReportCallback(BaseCallback):
     """
     Evaluate the policy each time the env-step count passes the next threshold and hand the mean return to
-    ``report``; stop training when it says so (pruned). A NaN return raises instead of being reported.
+    ``report``; stop training when it says so (pruned). A NaN return raises instead of being reported. The last
+    evaluation is left for after ``learn()`` (the last update comes after the last env step), on the eval env
+    seeded afresh, as ``train`` evaluates at its end: the same model gives the same final return there.
 
     :param eval_env: the evaluation env
     :param points: env-step thresholds
     :param n_eval_episodes: episodes per evaluation
     :param deterministic: deterministic actions during evaluation
     :param report: receives (evaluation number, mean return), returns whether to go on
+    :param eval_seed: the seed the evaluation env was made with
     """
 
-    def __init__(self, eval_env: VecEnv, points: list[int], n_eval_episodes: int, deterministic: bool, report: Report) -> None:
+    def __init__(
+        self, eval_env: VecEnv, points: list[int], n_eval_episodes: int, deterministic: bool, report: Report, eval_seed: int
+    ) -> None:
         super().__init__(verbose=0)
         self.eval_env = eval_env
+        self.eval_seed = eval_seed
         self.points = points
         self.n_eval_episodes = n_eval_episodes
         self.deterministic = deterministic
@@ -103,13 +109,15 @@ class EvalReportCallback(BaseCallback):
         return self.pruned or len(self.returns) >= len(self.points)
 
     def _on_step(self) -> bool:
-        if not self.done and self.num_timesteps >= self.points[len(self.returns)]:
+        if len(self.returns) < len(self.points) - 1 and self.num_timesteps >= self.points[len(self.returns)]:
             return self.evaluate()
         return True
 
     def evaluate(self) -> bool:
         """:return: whether to keep training after this evaluation"""
         sync_envs_normalization(self.training_env, self.eval_env)
+        if len(self.returns) == len(self.points) - 1:
+            self.eval_env.seed(self.eval_seed)
         mean_return, _ = evaluate_policy(
             self.model, self.eval_env, n_eval_episodes=self.n_eval_episodes, deterministic=self.deterministic, warn=False
         )
@@ -131,8 +139,8 @@ class SeedResult:
 
 def train_seed(job: TrialJob, seed: int, report: Report) -> SeedResult:
     """
-    Train one seed of a trial; evaluate at each of ``job.eval_points`` (the remaining ones right after ``learn``
-    when a rollout ended past the budget), calling ``report`` after each.
+    Train one seed of a trial; evaluate at each of ``job.eval_points`` (the last one right after ``learn``), calling
+    ``report`` after each.
 
     :param job: the trial's settings
     :param seed: seed of the model and envs
@@ -146,14 +154,18 @@ def train_seed(job: TrialJob, seed: int, report: Report) -> SeedResult:
     )  # fmt: skip
     experiment = prepare_experiment(config)
     apply_num_threads(job.num_threads if job.num_threads > 0 else None)
-    allow_split_updates(2 * job.concurrent_trainers <= available_cpus())
     hp = experiment.hyperparams
+    # PPO's split update takes a second core per training: not where the trainings at once already use them all
+    if 2 * job.concurrent_trainers > available_cpus() and "split_update" in accepted_kwargs(experiment.algo_cls):
+        hp.model_kwargs.setdefault("split_update", False)
     env = make_env(job.env_id, hp, hp.n_envs, seed, vec_env=job.vec_env)
-    eval_env = make_env(job.env_id, hp, job.n_eval_envs, seed + 1000, eval_env=True)
+    eval_env = make_env(job.env_id, hp, job.n_eval_envs, seed + EVAL_SEED_OFFSET, eval_env=True)
     try:
         model = create_model(experiment, env)
         # as the RL Zoo: Atari policies are evaluated stochastically (deterministic ones get stuck)
-        callback = EvalReportCallback(eval_env, job.eval_points, job.n_eval_episodes, not is_atari(job.env_id), report)
+        callback = EvalReportCallback(
+            eval_env, job.eval_points, job.n_eval_episodes, not is_atari(job.env_id), report, seed + EVAL_SEED_OFFSET
+        )
         callbacks: list[BaseCallback] = [cls(**kwargs) for cls, kwargs in hp.callbacks]
         model.learn(hp.n_timesteps, callback=[*callbacks, callback])
         while not callback.done:

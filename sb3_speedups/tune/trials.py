@@ -17,11 +17,13 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from sb3_speedups.errors import UserError
-from sb3_speedups.tune import reports
 from sb3_speedups.tune.config import TunePlan
 from sb3_speedups.tune.search_space import merge_hyperparams
 from sb3_speedups.tune.storage import make_pruner, make_sampler, open_storage, quiet_optuna
-from sb3_speedups.tune.training import TrialJob
+from sb3_speedups.registry import get_algo
+from sb3_speedups.tune.budget import rollout_steps, trial_budget
+from sb3_speedups.tune.training import TrialJob, eval_points
+from sb3_speedups.zoo import runs
 from sb3_speedups.tune.workers import INTERRUPTED_EXIT_CODE, SeedGroup, TrialSlots, describe_error, interrupt_handler
 
 
@@ -53,14 +55,21 @@ class Objective:
         self.plan = plan
         self.worker = f"{socket.gethostname()}:{os.getpid()}:{worker}"
         self.seed_group = SeedGroup(plan.config.trial_seeds - 1)
+        self.algo_cls = get_algo(plan.config.algo).cls(stock=plan.config.stock)
 
     def job(self, hyperparams: dict[str, Any]) -> TrialJob:
-        """:return: what each seed of a trial with these hyperparameters trains"""
+        """
+        :param hyperparams: the trial's merged hyperparameters; their ``n_timesteps`` is set to the trial's budget:
+            the whole rollouts that fit in the study's (so that ``train`` with them trains exactly the same steps)
+        :return: what each seed of a trial with these hyperparameters trains
+        """
         config = self.plan.config
+        budget = trial_budget(self.plan.n_timesteps, rollout_steps(self.algo_cls, hyperparams))
+        hyperparams["n_timesteps"] = budget
         return TrialJob(
-            config.algo, config.env_id, hyperparams, self.plan.n_timesteps, self.plan.eval_points, config.n_eval_episodes,
-            config.n_eval_envs, config.conf_file, config.vec_env, config.device, config.stock, config.num_threads,
-            verbose=max(config.verbose - 2, 0), concurrent_trainers=config.n_jobs * config.trial_seeds,
+            config.algo, config.env_id, hyperparams, budget, eval_points(budget, config.n_evaluations, config.eval_freq),
+            config.n_eval_episodes, config.n_eval_envs, config.conf_file, config.vec_env, config.device, config.stock,
+            config.num_threads, verbose=max(config.verbose - 1, 0), concurrent_trainers=config.n_jobs * config.trial_seeds,
         )  # fmt: skip
 
     def __call__(self, trial: optuna.Trial) -> float:
@@ -68,10 +77,12 @@ class Objective:
         trial.set_user_attr("worker", self.worker)
         try:
             hyperparams = merge_hyperparams(self.plan.base, space.sample(trial), space.constraints)
-            trial.set_user_attr("hyperparams", reports.plain(hyperparams))
+            job = self.job(hyperparams)
+            trial.set_user_attr("hyperparams", runs.plain(hyperparams))
             seeds = trial_seeds(self.plan.seed, trial.number, self.plan.config.trial_seeds)
             trial.set_user_attr("seeds", seeds)
-            results = self.seed_group.run(self.job(hyperparams), seeds, lambda i, values: self.report(trial, i, values))
+            last = len(job.eval_points)
+            results = self.seed_group.run(job, seeds, lambda i, values: self.report(trial, i, values, last))
         except KeyboardInterrupt:
             trial.set_user_attr("interrupted", True)
             raise
@@ -85,10 +96,10 @@ class Objective:
         trial.set_user_attr("return_std", float(np.std(finals)))
         return float(np.mean(finals))
 
-    def report(self, trial: optuna.Trial, index: int, values: list[float]) -> bool:
-        """Report the mean return of all seeds; the last evaluation is the result, never a pruning point."""
+    def report(self, trial: optuna.Trial, index: int, values: list[float], last: int) -> bool:
+        """Report the mean return of all seeds; the last evaluation (number ``last``) is the result, never pruned."""
         trial.report(float(np.mean(values)), index)
-        return index >= len(self.plan.eval_points) or not trial.should_prune()
+        return index >= last or not trial.should_prune()
 
     def close(self) -> None:
         """End the seed helper processes."""

@@ -22,6 +22,7 @@ from optuna.trial import FrozenTrial, TrialState
 from sb3_speedups.errors import UserError
 from sb3_speedups.registry import get_algo, import_object
 from sb3_speedups.tune import reports
+from sb3_speedups.tune.budget import check_rollouts_fit, fit_n_steps, max_rollout
 from sb3_speedups.tune.config import TuneConfig, TunePlan
 from sb3_speedups.tune.search_space import SearchSpace, apply_space_file, check_space_names
 from sb3_speedups.tune.storage import (
@@ -76,18 +77,24 @@ def _check_positive(config: TuneConfig) -> None:
         raise UserError(f"invalid --timeout {config.timeout}: expected a number of seconds > 0")
 
 
-def build_space(config: TuneConfig, algo_cls: type, base: dict[str, Any]) -> SearchSpace:
+def build_space(config: TuneConfig, algo_cls: type, base: dict[str, Any], rollout_limit: int | None = None) -> SearchSpace:
     """
-    :return: the built-in space of the algorithm, extended or replaced by ``config.search_space``
+    :param rollout_limit: the largest rollout (env steps) that fits between two evaluations, ``None`` for no limit
+    :return: the built-in space of the algorithm (only the rollout sizes that fit), extended or replaced by
+        ``config.search_space``
     """
     spec = get_algo(config.algo)
     space = import_object(spec.sampler)(algo_cls, base) if spec.sampler else SearchSpace()
+    if rollout_limit is not None:
+        space = fit_n_steps(space, algo_cls, base, rollout_limit)
     if config.search_space:
         space = apply_space_file(space, config.search_space)
     if not space.params:
         hint = "" if spec.sampler else f" ({spec.name} has no built-in space)"
         raise UserError(f"nothing to tune{hint}: pass --search-space with a YAML file that lists parameters to sample")
     check_space_names(space, algo_cls, base, spec.name)
+    if rollout_limit is not None:
+        check_rollouts_fit(space, algo_cls, base, rollout_limit)
     return space
 
 
@@ -105,10 +112,11 @@ def prepare_tuning(config: TuneConfig) -> TunePlan:
         TrainConfig(config.algo, config.env_id, config.n_timesteps, 0, config.conf_file, dict(config.hyperparams))
     )
     base = experiment.raw_hyperparams
-    space = build_space(config, experiment.algo_cls, base)
+    n_timesteps = experiment.hyperparams.n_timesteps
+    limit = max_rollout(n_timesteps, config.n_evaluations, config.eval_freq)
+    space = build_space(config, experiment.algo_cls, base, limit)
     study_name = config.study_name or f"{get_algo(config.algo).name}_{runs.run_name(config.env_id)}"
     folder = study_folder(config.log_folder, study_name)
-    n_timesteps = experiment.hyperparams.n_timesteps
     return TunePlan(
         config, study_name, folder, storage_url(config.storage, folder), space, base, n_timesteps,
         eval_points(n_timesteps, config.n_evaluations, config.eval_freq),
@@ -224,7 +232,7 @@ def tune(config: TuneConfig) -> TuneResult:
         interrupted = True
         print("Interrupted: running trials are marked failed; run the same command again to continue", file=sys.stderr)
     study = optuna.load_study(study_name=plan.study_name, storage=open_storage(plan.storage))
-    written = reports.write_reports(study, plan.folder, config.env_id, plots=config.plots)
+    written = reports.write_reports(study, plan.folder, config)
     if config.verbose > 0:
         print(reports.summary(study, written, config.n_trials))
     best = reports.best_trial(study)

@@ -7,7 +7,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from stable_baselines3.common.callbacks import BaseCallback
+import numpy as np
+from stable_baselines3.common.callbacks import BaseCallback, EvalCallback
 from stable_baselines3.common.vec_env import VecNormalize
 
 from sb3_speedups.common.save_util import save_model, save_vecnormalize
@@ -21,8 +22,8 @@ class SaveBestModelCallback(BaseCallback):
     :param save_dir: the run folder
     """
 
-    def __init__(self, save_dir: str | Path, verbose: int = 0) -> None:
-        super().__init__(verbose)
+    def __init__(self, save_dir: str | Path) -> None:
+        super().__init__()
         self.save_dir = Path(save_dir)
 
     def _on_step(self) -> bool:
@@ -30,8 +31,31 @@ class SaveBestModelCallback(BaseCallback):
         vec_normalize = self.model.get_vec_normalize_env()
         if isinstance(vec_normalize, VecNormalize):
             save_vecnormalize(vec_normalize, self.save_dir / "best_vecnormalize.pkl")
-        if self.verbose > 0:
-            print(f"Saved new best model to {self.save_dir / 'best_model.zip'}")
+        return True
+
+
+class PrintEvaluation(BaseCallback):
+    """
+    Child of ``EvalCallback`` (``callback_after_eval``): one line per periodic evaluation, instead of SB3's
+    three (which come with its logger tables at ``verbose=2``).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.best = -np.inf
+
+    def _on_step(self) -> bool:
+        evaluation = self.parent
+        assert isinstance(evaluation, EvalCallback)
+        mean = evaluation.last_mean_reward
+        returns = evaluation.evaluations_results[-1] if evaluation.evaluations_results else [mean]
+        new_best = evaluation.best_mean_reward > self.best
+        self.best = max(self.best, evaluation.best_mean_reward)
+        print(
+            f"Evaluation at {self.num_timesteps} steps: mean return {mean:.2f} +/- {np.std(returns):.2f}"
+            + (" (new best: saved best_model.zip)" if new_best and evaluation.callback_on_new_best is not None else ""),
+            flush=True,
+        )
         return True
 
 

@@ -58,6 +58,8 @@ def locate_model(config: EnjoyConfig) -> tuple[Path, Path]:
     :return: ``(model zip, run folder)`` for the configured folder
     """
     folder = Path(config.folder)
+    if not folder.exists():
+        raise UserError(f"{folder} does not exist; pass -f with the log folder of train (logs), a run folder or a model .zip")
     if folder.suffix == ".zip":
         return check_model_file(str(folder)), folder.parent
     run_dir = folder

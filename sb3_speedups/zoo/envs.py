@@ -133,17 +133,21 @@ def make_env(
     vec_env_cls = vec_env_class(vec_env)
     # The adapters build the whole batch from the id; the others get one make_single_env per env.
     adapter = issubclass(vec_env_cls, VectorAdapter)
-    env: VecEnv = make_vec_env(
-        env_id if adapter else make_single_env,
-        n_envs=n_envs,
-        seed=seed,
-        env_kwargs=dict(hyperparams.env_kwargs) if adapter else {"env_id": env_id, **hyperparams.env_kwargs},
-        monitor_dir=None if monitor_dir is None else str(monitor_dir),
-        wrapper_class=WrapperChain(hyperparams.env_wrappers) if hyperparams.env_wrappers else None,
-        vec_env_cls=vec_env_cls,
-        vec_env_kwargs=vec_env_kwargs,
-        monitor_kwargs=hyperparams.monitor_kwargs,
-    )
+    try:
+        env: VecEnv = make_vec_env(
+            env_id if adapter else make_single_env,
+            n_envs=n_envs,
+            seed=seed,
+            env_kwargs=dict(hyperparams.env_kwargs) if adapter else {"env_id": env_id, **hyperparams.env_kwargs},
+            monitor_dir=None if monitor_dir is None else str(monitor_dir),
+            wrapper_class=WrapperChain(hyperparams.env_wrappers) if hyperparams.env_wrappers else None,
+            vec_env_cls=vec_env_cls,
+            vec_env_kwargs=vec_env_kwargs,
+            monitor_kwargs=hyperparams.monitor_kwargs,
+        )
+    except (gym.error.DependencyNotInstalled, ImportError) as exc:
+        # the library's own message names the package to install
+        raise UserError(f"cannot make {env_id}: {' '.join(str(exc).split()) or type(exc).__name__}") from None
     for wrapper, kwargs in hyperparams.vec_env_wrappers:
         env = wrapper(env, **kwargs)
     if normalize_stats is not None and Path(normalize_stats).is_file():

@@ -56,13 +56,12 @@ def find_run_dir(log_folder: str | Path, algo: str, env_id: str, exp_id: int = 0
     return algo_dir / f"{run_name(env_id)}_{wanted}"
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
+def plain(value: Any) -> Any:
+    """:return: ``value`` as YAML data: tuples as lists, classes as dotted paths, other objects by ``repr``"""
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     if isinstance(value, type):
@@ -70,9 +69,13 @@ def _plain(value: Any) -> Any:
     return repr(value)
 
 
-def write_yaml(path: str | Path, data: dict[str, Any]) -> Path:
-    """Write ``data`` as YAML atomically (tuples as lists, classes as dotted paths)."""
-    text = yaml.safe_dump(_plain(data), sort_keys=False)
+def write_yaml(path: str | Path, data: dict[str, Any], comment: str = "") -> Path:
+    """
+    Write ``data`` as YAML atomically (tuples as lists, classes as dotted paths).
+
+    :param comment: lines written first, each as a YAML comment
+    """
+    text = "".join(f"# {line}\n" for line in comment.splitlines()) + yaml.safe_dump(plain(data), sort_keys=False)
     return atomic_write(path, lambda tmp: tmp.write_text(text))
 
 

@@ -23,10 +23,14 @@ from sb3_speedups.errors import UserError
 from sb3_speedups.zoo.evaluation import evaluate
 from sb3_speedups.registry import get_algo
 from sb3_speedups.zoo import runs
-from sb3_speedups.zoo.callbacks import AtomicCheckpointCallback, SaveBestModelCallback, StopOnSignal
+from sb3_speedups.zoo.callbacks import AtomicCheckpointCallback, PrintEvaluation, SaveBestModelCallback, StopOnSignal
 from sb3_speedups.zoo.envs import check_env_id, is_atari, make_env
 from sb3_speedups.zoo.hyperparams import Hyperparams, preprocess_hyperparams, read_hyperparams
 from sb3_speedups.zoo.validation import validate_model_kwargs
+
+
+# The evaluation env's seed is the run's plus this (its episodes differ from the training env's).
+EVAL_SEED_OFFSET = 1000
 
 
 @dataclass
@@ -51,7 +55,9 @@ class TrainConfig:
     :param trained_agent: a saved model zip to continue training
     :param progress: show SB3's progress bar
     :param num_threads: torch threads, ``-1`` for the package default
-    :param verbose: verbosity of the model and of this run
+    :param verbose: 0: where it saved and the final return; 1: also a line per periodic evaluation; 2: also SB3's
+        logger tables (the model's ``verbose=1``)
+    :param quiet: print nothing (overrides ``verbose``)
     :param stock: use the stock SB3 / sb3-contrib class even where ours exists
     """
 
@@ -73,7 +79,17 @@ class TrainConfig:
     progress: bool = False
     num_threads: int = -1
     verbose: int = 1
+    quiet: bool = False
     stock: bool = False
+
+    @property
+    def model_verbose(self) -> int:
+        """:return: the ``verbose`` of the model: SB3's logger tables only from ``verbose=2`` on"""
+        return 0 if self.quiet else max(self.verbose - 1, 0)
+
+    def says(self, level: int) -> bool:
+        """:return: whether messages of this level print (0: the end-of-run lines)"""
+        return not self.quiet and self.verbose >= level
 
 
 @dataclass
@@ -159,7 +175,7 @@ def create_model(experiment: Experiment, env: VecEnv) -> BaseAlgorithm:
     noise = make_action_noise(experiment.hyperparams, env)
     if noise is not None:
         kwargs["action_noise"] = noise
-    common: dict[str, Any] = {"seed": experiment.seed, "device": config.device, "verbose": config.verbose}
+    common: dict[str, Any] = {"seed": experiment.seed, "device": config.device, "verbose": config.model_verbose}
     if config.tensorboard_log:
         common["tensorboard_log"] = config.tensorboard_log
     try:
@@ -188,13 +204,14 @@ def make_callbacks(experiment: Experiment, run_dir: Path, eval_env: VecEnv | Non
                 eval_freq=max(config.eval_freq // n_envs, 1),
                 log_path=str(run_dir),
                 best_model_save_path=None,
-                callback_on_new_best=SaveBestModelCallback(run_dir, verbose=config.verbose),
+                callback_on_new_best=SaveBestModelCallback(run_dir),
+                callback_after_eval=PrintEvaluation() if config.says(1) else None,
                 deterministic=True,
-                verbose=config.verbose,
+                verbose=config.model_verbose,
             )
         )
     if config.save_freq > 0:
-        callbacks.append(AtomicCheckpointCallback(max(config.save_freq // n_envs, 1), run_dir, verbose=config.verbose))
+        callbacks.append(AtomicCheckpointCallback(max(config.save_freq // n_envs, 1), run_dir, verbose=config.model_verbose))
     return callbacks
 
 
@@ -227,11 +244,11 @@ def train(config: TrainConfig) -> TrainResult:
     if config.trained_agent:
         normalize_stats = Path(config.trained_agent).parent / runs.VECNORMALIZE_FILE
     env = make_env(config.env_id, hp, hp.n_envs, experiment.seed, run_dir, config.vec_env, normalize_stats=normalize_stats)
-    eval_env = make_env(config.env_id, hp, config.n_eval_envs, experiment.seed + 1000, eval_env=True)
+    eval_env = make_env(config.env_id, hp, config.n_eval_envs, experiment.seed + EVAL_SEED_OFFSET, eval_env=True)
     interrupted = False
     try:
         model = create_model(experiment, env)
-        if config.verbose > 0:
+        if config.says(1):
             print(
                 f"Training {type(model).__module__}.{type(model).__name__} on {config.env_id} for {hp.n_timesteps} steps, "
                 f"seed {experiment.seed}; saving into {run_dir}"
@@ -248,17 +265,19 @@ def train(config: TrainConfig) -> TrainResult:
             except KeyboardInterrupt:
                 interrupted = True
             interrupted = interrupted or stop.requested
-            if interrupted:
+            if interrupted and not config.quiet:
                 print(f"Interrupted: saving the model trained so far into {run_dir}", flush=True)
             model_path = save_run(model, run_dir, config.env_id)
         if interrupted:
             return TrainResult(run_dir, model_path, float("nan"), float("nan"), interrupted=True)
         sync_envs_normalization(env, eval_env)
+        # seeded afresh: the final return does not depend on how many periodic evaluations ran (as in tune's trials)
+        eval_env.seed(experiment.seed + EVAL_SEED_OFFSET)
         mean_return, std_return = evaluate(model, eval_env, config.eval_episodes, True)
     finally:
         _close_quietly(env)
         _close_quietly(eval_env)
-    if config.verbose > 0:
+    if config.says(0):
         print(f"Saved {model_path}")
         print(f"Final mean return over {config.eval_episodes} episodes: {mean_return:.2f} +/- {std_return:.2f}")
     return TrainResult(run_dir, model_path, float(mean_return), float(std_return))

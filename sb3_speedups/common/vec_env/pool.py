@@ -6,11 +6,14 @@ the main process: starting them, pipe requests and replies, step hand-off and co
 
 from __future__ import annotations
 
+import ast
 import pickle
 import signal
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from pathlib import Path
 from time import perf_counter
 from typing import Any
 
@@ -34,6 +37,28 @@ from sb3_speedups.common.vec_env.worker import (
     wait_for,
     worker_main,
 )
+
+
+def unguarded_main_script() -> str | None:
+    """
+    :return: the path of the main script when it has no top-level ``if __name__ == "__main__":`` (spawn and
+        forkserver children run it again as they start), else ``None``
+    """
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if path is None:
+        return None
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        test = node.test if isinstance(node, ast.If) else None
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
+            sides = [test.left, test.comparators[0]]
+            names = {s.id for s in sides if isinstance(s, ast.Name)} | {s.value for s in sides if isinstance(s, ast.Constant)}
+            if names == {"__name__", "__main__"}:
+                return None
+    return str(path)
 
 
 class WorkerDiedError(RuntimeError):
@@ -217,6 +242,15 @@ class WorkerPool:
             f"BatchedSubprocVecEnv worker {worker.index} (envs {worker.first}-{worker.stop - 1}, "
             f"pid {worker.process.pid}) {how} during {during}; close this VecEnv and create a new one"
         )
+        script = unguarded_main_script() if code > 0 and not worker.attached else None
+        method = self.ctx.get_start_method()
+        if script is not None and method != "fork":
+            self.broken = (
+                f"BatchedSubprocVecEnv worker {worker.index} exited during start-up: the {method} start method re-imports "
+                f"the main script {script}, which has no 'if __name__ == \"__main__\":' guard, so the worker ran the "
+                "script's own VecEnv creation again and failed; put the script's code under that guard, or pass "
+                'start_method="fork"'
+            )
         raise WorkerDiedError(self.broken)
 
     # --- steps ----------------------------------------------------------------------------------------------
