@@ -18,7 +18,7 @@ from sb3_speedups import RecurrentPPO
 from sb3_speedups.ppo_recurrent.buffers import FastRecurrentRolloutBuffer, padded_positions
 from sb3_speedups.ppo_recurrent.collection import FrozenRecurrentActor, rnn_step
 from sb3_speedups.ppo_recurrent.policies import process_sequence
-from sb3_speedups.common.ppo_loss import ENTROPY_LOSS, NEG_PG, VALUE_LOSS, PPOLossConfig
+from sb3_speedups.common.on_policy.ppo_loss import ENTROPY_LOSS, NEG_PG, VALUE_LOSS, PPOLossConfig
 from sb3_speedups.ppo_recurrent.training import recurrent_ppo_loss
 from tests.algo_cases import RECURRENT_SMALL
 

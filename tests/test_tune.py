@@ -287,3 +287,29 @@ def test_trials_fit_their_budget_and_the_best_retrains_to_its_return_with_its_se
     assert main([*argv[1:], "-f", str(tmp_path / "runs"), "--no-progress", "--verbose", "0"]) == 0
     final = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("Final mean return"))
     assert f"over 3 episodes: {best.value:.2f} +/- " in final
+
+
+def test_an_interrupt_that_python_swallowed_still_stops_the_trial_at_its_next_step() -> None:
+    # A signal can land in a weakref callback or __del__, where Python prints "Exception ignored" and drops the
+    # KeyboardInterrupt; the recorded interrupt must still stop training (the CI saw a trial run to completion).
+    from stable_baselines3 import PPO as StockPPO
+
+    from sb3_speedups.tune.interrupts import clear_interrupt, interrupt_handler
+    from sb3_speedups.tune.training import EvalReportCallback
+
+    previous = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    model = StockPPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=64, n_epochs=1, device="cpu")
+    callback = EvalReportCallback(model.get_env(), [10_000, 20_000], 1, True, lambda i, v: True, eval_seed=0)
+    clear_interrupt()
+    try:
+        try:
+            interrupt_handler(signal.SIGINT, None)
+        except KeyboardInterrupt:
+            pass  # swallowed, as Python does inside a weakref callback
+        with pytest.raises(KeyboardInterrupt):
+            model.learn(256, callback=callback)
+        assert model.num_timesteps == model.n_envs  # stopped at the first env step
+    finally:
+        clear_interrupt()
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])

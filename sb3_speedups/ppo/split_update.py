@@ -33,7 +33,7 @@ from sb3_speedups.ppo.helper_process import CommandChannel, HelperError, HelperP
 from sb3_speedups.ppo.minibatches import OLD_VALUES, RETURNS, Minibatch, MinibatchSampler
 from sb3_speedups.ppo.update import HandDerivedPPOUpdate
 
-__all__ = ["HelperError", "SplitPPOUpdate", "allow_split_updates", "deferred_sigint", "split_unsupported_reason"]
+__all__ = ["HelperError", "SplitPPOUpdate", "deferred_sigint", "split_unsupported_reason"]
 
 _LOAD, _GATHER, _GRAD, _STEP = 1, 2, 3, 4  # the helper's commands
 

@@ -15,6 +15,7 @@ from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.vec_env import VecEnv, sync_envs_normalization
 
 from sb3_speedups.common.torch_utils import apply_num_threads, available_cpus
+from sb3_speedups.tune.interrupts import raise_if_interrupted
 from sb3_speedups.zoo.envs import is_atari, make_env
 from sb3_speedups.zoo.train import EVAL_SEED_OFFSET, TrainConfig, create_model, prepare_experiment
 from sb3_speedups.zoo.validation import accepted_kwargs
@@ -109,6 +110,7 @@ class EvalReportCallback(BaseCallback):
         return self.pruned or len(self.returns) >= len(self.points)
 
     def _on_step(self) -> bool:
+        raise_if_interrupted()
         if len(self.returns) < len(self.points) - 1 and self.num_timesteps >= self.points[len(self.returns)]:
             return self.evaluate()
         return True

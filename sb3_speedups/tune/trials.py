@@ -24,7 +24,8 @@ from sb3_speedups.registry import get_algo
 from sb3_speedups.tune.budget import rollout_steps, trial_budget
 from sb3_speedups.tune.training import TrialJob, eval_points
 from sb3_speedups.zoo import runs
-from sb3_speedups.tune.workers import INTERRUPTED_EXIT_CODE, SeedGroup, TrialSlots, describe_error, interrupt_handler
+from sb3_speedups.tune.interrupts import interrupt_handler
+from sb3_speedups.tune.workers import INTERRUPTED_EXIT_CODE, SeedGroup, TrialSlots, describe_error
 
 
 def counts_toward_target(trial: FrozenTrial) -> bool:

@@ -36,7 +36,8 @@ from sb3_speedups.tune.storage import (
 )
 from sb3_speedups.tune.training import eval_points
 from sb3_speedups.tune.trials import counts_toward_target, run_worker, worker_process_main
-from sb3_speedups.tune.workers import INTERRUPTED_EXIT_CODE, TrialSlots, interrupt_handler, run_worker_processes
+from sb3_speedups.tune.interrupts import clear_interrupt, interrupt_handler
+from sb3_speedups.tune.workers import INTERRUPTED_EXIT_CODE, TrialSlots, run_worker_processes
 from sb3_speedups.zoo import runs
 from sb3_speedups.zoo.train import TrainConfig, prepare_experiment
 
@@ -177,12 +178,14 @@ def _run_in_process(plan: TunePlan, slots: TrialSlots) -> None:
     if threading.current_thread() is not threading.main_thread():
         run_worker(0, plan, slots)
         return
+    clear_interrupt()
     previous = signal.signal(signal.SIGINT, interrupt_handler), signal.signal(signal.SIGTERM, interrupt_handler)
     try:
         run_worker(0, plan, slots)
     finally:
         signal.signal(signal.SIGINT, previous[0])
         signal.signal(signal.SIGTERM, previous[1])
+        clear_interrupt()
 
 
 def _print_header(plan: TunePlan, study: optuna.Study, remaining: int) -> None:

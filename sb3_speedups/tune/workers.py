@@ -36,17 +36,6 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
-def _ignore_signal(signum: int, frame: Any) -> None:
-    """A Python-level no-op rather than ``SIG_IGN``: a signal already on its way then passes silently."""
-
-
-def interrupt_handler(signum: int, frame: Any) -> None:
-    """SIGINT/SIGTERM -> ``KeyboardInterrupt`` once; later signals are ignored so that clean-up can finish."""
-    signal.signal(signal.SIGINT, _ignore_signal)
-    signal.signal(signal.SIGTERM, _ignore_signal)
-    raise KeyboardInterrupt
-
-
 def _helper_main(conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the worker, which ends its helpers
     while True:
