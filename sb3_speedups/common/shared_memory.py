@@ -7,6 +7,15 @@ import os
 import tempfile
 
 
+def map_anonymous(nbytes: int) -> mmap.mmap:
+    """
+    :param nbytes: the block's size in bytes (at least one byte is mapped)
+    :return: a zeroed block of shared memory that processes forked later read and write too; it holds no file
+        descriptor (a mapping of a descriptor keeps a duplicate of it open for its whole life)
+    """
+    return mmap.mmap(-1, max(nbytes, 1))
+
+
 def map_shared(nbytes: int, fd: int | None = None) -> tuple[mmap.mmap, int]:
     """
     Map a block of anonymous shared memory. A process forked later, or one that receives the descriptor (for example

@@ -11,13 +11,12 @@ autograd update, RecurrentPPO).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch as th
 from torch import nn
 
-from sb3_speedups.common.shared_memory import map_shared
+from sb3_speedups.common.shared_memory import map_anonymous
 
 #: element count that :class:`FlatParameters` aligns a parameter to (a multiple of any SIMD width in floats)
 ALIGNMENT = 64
@@ -35,9 +34,7 @@ def shared_zeros(numel: int, dtype: th.dtype = th.float32) -> th.Tensor:
     :return: a zeroed CPU tensor in anonymous shared memory: a process forked later reads and writes the same memory
         (``share_memory_()`` would move an existing storage and leave views made before it behind)
     """
-    mapping, fd = map_shared(numel * th.empty((), dtype=dtype).element_size())
-    os.close(fd)
-    return th.frombuffer(mapping, dtype=dtype, count=numel)
+    return th.frombuffer(map_anonymous(numel * th.empty((), dtype=dtype).element_size()), dtype=dtype, count=numel)
 
 
 class FlatParameters:
