@@ -22,7 +22,7 @@ class BusyStep(gym.Wrapper):
     :param cost_us: microseconds of CPU per step
     """
 
-    def __init__(self, env: gym.Env, cost_us: float) -> None:
+    def __init__(self, env: gym.Env, cost_us: float = 0.0) -> None:
         super().__init__(env)
         self.cost = cost_us / 1e6
 
