@@ -140,9 +140,9 @@ class A2C(stable_baselines3.A2C):
             np.random.permutation(buffer.buffer_size * buffer.n_envs)
             observations = buffer.flat_observations()
             assert isinstance(observations, th.Tensor)
-            flat = [buffer.flat(name).to(self.device) for name in ("actions", "advantages", "returns")]
+            actions, advantages, returns = (buffer.flat(name).to(self.device) for name in ("actions", "advantages", "returns"))
             with th.inference_mode():  # no autograd is needed: without its dispatch every op is cheaper
-                stats = updater.update(observations.to(self.device), *flat, cfg)
+                stats = updater.update(observations.to(self.device), actions, advantages, returns, cfg)
         else:
             stats = th.stack([updater.update(data, cfg) for data in buffer.get(batch_size=None)])[-1]
         self._n_updates += 1
