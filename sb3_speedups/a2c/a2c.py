@@ -144,7 +144,7 @@ class A2C(stable_baselines3.A2C):
             with th.inference_mode():  # no autograd is needed: without its dispatch every op is cheaper
                 stats = updater.update(observations.to(self.device), actions, advantages, returns, cfg)
         else:
-            stats = th.stack([updater.update(data, cfg) for data in buffer.get(batch_size=None)])[-1]
+            stats = updater.update(next(buffer.get(batch_size=None)), cfg)  # the whole rollout is one batch
         self._n_updates += 1
         self._record_train_stats(stats)
 
