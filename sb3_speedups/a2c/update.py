@@ -79,7 +79,6 @@ class A2CWorkspace:
     mean_weights: th.Tensor
     stats: th.Tensor
     log_prob: th.Tensor
-    advantages: th.Tensor
     err: th.Tensor
     g_log_prob: th.Tensor
     #: ``[n, 1]`` d loss / d V, and its flat view
@@ -107,7 +106,6 @@ class A2CWorkspace:
             mean_weights=th.full((n,), 1.0 / n, device=device),
             stats=th.empty(len(A2C_STATS), device=device),
             log_prob=vector(),
-            advantages=vector(),
             err=vector(),
             g_log_prob=vector(),
             g_values=g_values,
@@ -156,8 +154,7 @@ class HandDerivedA2CUpdate:
         out, values = self.net.forward(observations.reshape(n, -1).float())
         self.head.forward(ws.head, out, self.head.training_actions(actions), self.net.log_std, ws.log_prob, rows[ENTROPY_LOSS])
         if cfg.normalize_advantage:
-            th.sub(advantages, advantages.mean(), out=ws.advantages).div_(advantages.std() + 1e-8)
-            advantages = ws.advantages
+            advantages = normalized_advantages(advantages)
         th.mul(advantages, ws.log_prob, out=rows[POLICY_LOSS])
         th.sub(values, returns, out=ws.err)
         th.mul(ws.err, ws.err, out=rows[VALUE_LOSS])
