@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 # Algorithms are imported on first use, so that ``import sb3_speedups`` (and ``sb3-speedups --help``) stays fast.
 _LAZY = {
     "PPO": "sb3_speedups.ppo:PPO",
+    "A2C": "sb3_speedups.a2c:A2C",
     "DQN": "sb3_speedups.dqn:DQN",
     "RecurrentPPO": "sb3_speedups.ppo_recurrent:RecurrentPPO",
 }

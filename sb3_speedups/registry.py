@@ -59,7 +59,7 @@ ALGOS: dict[str, AlgoSpec] = {
             fast="sb3_speedups.ppo_recurrent:RecurrentPPO",
             sampler="sb3_speedups.tune.spaces:ppo_lstm_space",
         ),
-        AlgoSpec("a2c", "stable_baselines3:A2C"),
+        AlgoSpec("a2c", "stable_baselines3:A2C", fast="sb3_speedups.a2c:A2C", sampler="sb3_speedups.tune.spaces:a2c_space"),
         AlgoSpec("sac", "stable_baselines3:SAC"),
         AlgoSpec("td3", "stable_baselines3:TD3"),
         AlgoSpec("ddpg", "stable_baselines3:DDPG"),

@@ -24,7 +24,7 @@ from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
 from stable_baselines3.common.vec_env import VecEnv
 
-from sb3_speedups import DQN, PPO, RecurrentPPO
+from sb3_speedups import A2C, DQN, PPO, RecurrentPPO
 from sb3_speedups.ppo_recurrent.collection import frozen_actor_unsupported_reason
 
 
@@ -182,6 +182,14 @@ RECURRENT_CASE = dict(
 LINUX_ONLY = (pytest.mark.skipif(not sys.platform.startswith("linux"), reason="split updates need Linux's fork()"),)
 
 PPO_ENV = seeded_envs("CartPole-v1", 4, 3, max_episode_steps=6)
+PENDULUM_ENV = seeded_envs("Pendulum-v1", 4, 3, max_episode_steps=6)
+SEEDED_A2C = dict(n_steps=16, seed=3)
+A2C_BOX = dict(
+    exact=("episode_starts",),
+    close=("observations", "actions", "values", "log_probs", "returns", "advantages"),
+    buffer_atol=1e-4,
+    predict_atol=1e-6,
+)
 
 
 def dqn_env(n_envs: int) -> Callable[[], VecEnv]:
@@ -206,6 +214,26 @@ CASES = [
     AlgoCase(
         "ppo-autograd", PPO, stable_baselines3.PPO, PPO_ENV, SEEDED_PPO, updater_engine, "AutogradPPOUpdate",
         ours_kwargs=dict(fast_update=False), **PPO_BUFFER,
+    ),
+    AlgoCase(
+        "a2c", A2C, stable_baselines3.A2C, PPO_ENV, SEEDED_A2C, updater_engine, "HandDerivedA2CUpdate", every_space=True,
+        **PPO_BUFFER,
+    ),
+    AlgoCase(
+        "a2c-adam", A2C, stable_baselines3.A2C, PPO_ENV, {**SEEDED_A2C, "use_rms_prop": False, "normalize_advantage": True},
+        updater_engine, "HandDerivedA2CUpdate", **PPO_BUFFER,
+    ),
+    AlgoCase(
+        "a2c-box", A2C, stable_baselines3.A2C, PENDULUM_ENV, {**SEEDED_A2C, "ent_coef": 0.01}, updater_engine,
+        "HandDerivedA2CUpdate", **A2C_BOX,
+    ),
+    AlgoCase(
+        "a2c-autograd", A2C, stable_baselines3.A2C, PPO_ENV, SEEDED_A2C, updater_engine, "AutogradA2CUpdate",
+        ours_kwargs=dict(fast_update=False), **PPO_BUFFER,
+    ),
+    AlgoCase(
+        "a2c-gsde", A2C, stable_baselines3.A2C, PENDULUM_ENV, {**SEEDED_A2C, "use_sde": True, "use_rms_prop": False},
+        updater_engine, "AutogradA2CUpdate", **A2C_BOX,
     ),
     AlgoCase("dqn", DQN, stable_baselines3.DQN, dqn_env(1), SEEDED_DQN, **DQN_CASE),
     AlgoCase("dqn-4envs", DQN, stable_baselines3.DQN, dqn_env(4), SEEDED_DQN, **DQN_CASE),

@@ -186,7 +186,7 @@ def test_console_entry_point_and_module_exit_code():
 @pytest.mark.parametrize(
     "algo, env_id, params",
     [
-        ("a2c", "CartPole-v1", []),
+        ("trpo", "CartPole-v1", ["n_steps:128", "batch_size:128"]),
         ("td3", "Pendulum-v1", ["learning_starts:100", "train_freq:1", "gradient_steps:1"]),  # RL Zoo: noise_type normal
         ("qrdqn", "CartPole-v1", ["learning_starts:100"]),
     ],

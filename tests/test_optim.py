@@ -1,4 +1,4 @@
-"""The flat parameter storage and the flat fused Adam, against torch's Adam and the stock policy's state dict."""
+"""The flat parameter storage and the flat Adam and RMSprop, against torch's optimizers and the stock policy's state dict."""
 
 import copy
 
@@ -7,7 +7,16 @@ import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.policies import ActorCriticPolicy
 
-from sb3_speedups.common.nn.optim import FLUSH_SUBNORMALS_EVERY, FlatAdam, FlatParameters, adam_unsupported_reason
+from sb3_speedups.common.nn.optim import (
+    FLUSH_SUBNORMALS_EVERY,
+    FlatAdam,
+    FlatOptimizerStep,
+    FlatParameters,
+    FlatRMSprop,
+    adam_unsupported_reason,
+    flat_optimizer_unsupported_reason,
+    rmsprop_unsupported_reason,
+)
 
 DISCRETE, BOX = spaces.Discrete(3), spaces.Box(-2, 2, (2,))
 
@@ -128,3 +137,72 @@ def test_adam_support_checks():
     assert adam_unsupported_reason(policy.optimizer, params) is None
     assert "SGD" in adam_unsupported_reason(th.optim.SGD(params, lr=0.1), params)
     assert "amsgrad" in adam_unsupported_reason(th.optim.Adam(params, amsgrad=True), params)
+
+
+def make_rmsprop_policy(action_space: spaces.Space) -> ActorCriticPolicy:
+    """A policy with the optimizer stock A2C gives it (``use_rms_prop=True``)."""
+    kwargs = dict(alpha=0.99, eps=1e-5, weight_decay=0)
+    return ActorCriticPolicy(
+        spaces.Box(-1, 1, (5,)), action_space, lambda _: 7e-4, optimizer_class=th.optim.RMSprop, optimizer_kwargs=kwargs
+    )
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e3])
+def test_flat_rmsprop_matches_torch_rmsprop_and_saves_as_stock(max_norm):
+    th.manual_seed(0)
+    ours_policy = make_rmsprop_policy(BOX)
+    stock_policy = copy.deepcopy(ours_policy)
+    flat = FlatParameters(list(ours_policy.parameters()))
+    rmsprop = FlatRMSprop(flat, ours_policy.optimizer)
+    x, actions = th.randn(32, 5), th.randn(32, 2)
+
+    def loss_of(policy):
+        values, log_prob, entropy = policy.evaluate_actions(x, actions)
+        return values.pow(2).mean() - log_prob.mean() - 0.1 * entropy.mean()
+
+    for _ in range(5):
+        grads = th.autograd.grad(loss_of(ours_policy), list(ours_policy.parameters()))
+        for p, g in zip(ours_policy.parameters(), grads, strict=True):
+            flat.grad_of(p).copy_(g)
+        rmsprop.step(flat.clip_divisor(max_norm))
+        stock_policy.optimizer.zero_grad()
+        loss_of(stock_policy).backward()
+        th.nn.utils.clip_grad_norm_(stock_policy.parameters(), max_norm)
+        stock_policy.optimizer.step()
+    for p, q in zip(ours_policy.parameters(), stock_policy.parameters(), strict=True):
+        if max_norm == 1e3:  # unclipped: torch's own element-wise operations on one flat tensor, the same bits
+            assert th.equal(p, q)
+        th.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    ours_state, stock_state = ours_policy.optimizer.state_dict(), stock_policy.optimizer.state_dict()
+    assert ours_state["state"].keys() == stock_state["state"].keys()
+    for key, state in stock_state["state"].items():
+        assert ours_state["state"][key].keys() == state.keys()
+        assert float(ours_state["state"][key]["step"]) == float(state["step"]) == 5
+        th.testing.assert_close(ours_state["state"][key]["square_avg"], state["square_avg"], rtol=1e-4, atol=1e-9)
+    # A stock optimizer loads our state and steps on; loading state into ours unbinds it, a new one imports it.
+    fresh = th.optim.RMSprop(stock_policy.parameters(), lr=7e-4, alpha=0.99, eps=1e-5)
+    fresh.load_state_dict(ours_state)
+    stock_policy.optimizer.zero_grad()
+    loss_of(stock_policy).backward()
+    fresh.step()
+    assert all(float(s["step"]) == 6 for s in fresh.state.values())
+    assert rmsprop.is_bound()
+    ours_policy.optimizer.load_state_dict(stock_state)
+    assert not rmsprop.is_bound()
+    again = FlatRMSprop(flat, ours_policy.optimizer)
+    assert again.is_bound() and float(again.steps[0]) == 5
+
+
+def test_rmsprop_support_checks_and_the_flat_step_of_an_autograd_loss():
+    policy = make_rmsprop_policy(DISCRETE)
+    params = list(policy.parameters())
+    assert rmsprop_unsupported_reason(policy.optimizer, params) is None
+    assert flat_optimizer_unsupported_reason(policy.optimizer, params) is None
+    assert "momentum" in rmsprop_unsupported_reason(th.optim.RMSprop(params, momentum=0.9), params)
+    assert "centered" in rmsprop_unsupported_reason(th.optim.RMSprop(params, centered=True), params)
+    assert "weight_decay" in rmsprop_unsupported_reason(th.optim.RMSprop(params, weight_decay=0.1), params)
+    assert "Adam or torch.optim.RMSprop" in flat_optimizer_unsupported_reason(th.optim.SGD(params, lr=0.1), params)
+    # PPO's autograd step keeps the stock calls for RMSprop; A2C's (rmsprop=True) runs it flat
+    assert FlatOptimizerStep(policy, policy.optimizer).flat is None
+    step = FlatOptimizerStep(policy, policy.optimizer, rmsprop=True)
+    assert isinstance(step.flat_optimizer, FlatRMSprop) and step.adam is None and step.is_bound(policy.optimizer)

@@ -17,6 +17,7 @@ import numpy as np
 import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.buffers import DictRolloutBuffer, RolloutBuffer
+from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
 from stable_baselines3.common.type_aliases import DictRolloutBufferSamples, RolloutBufferSamples
 
 from sb3_speedups.common.on_policy.timeouts import Timeouts
@@ -301,3 +302,24 @@ class FastDictRolloutBuffer(FastRolloutBase, DictRolloutBuffer):
 def fast_buffer_class(buffer_class: type[RolloutBuffer]) -> type[RolloutBuffer] | None:
     """:return: our buffer replacing a stock one (``None`` for custom buffer classes, which are used as given)"""
     return {RolloutBuffer: FastRolloutBuffer, DictRolloutBuffer: FastDictRolloutBuffer}.get(buffer_class)
+
+
+def install_fast_rollout_buffer(model: OnPolicyAlgorithm) -> None:
+    """
+    Replace the rollout buffer stock ``_setup_model`` made by ours (custom buffer classes are used as given).
+
+    :param model: the model, right after stock ``_setup_model``
+    """
+    fast_class = fast_buffer_class(model.rollout_buffer_class)  # type: ignore[arg-type]
+    if fast_class is not None:
+        # Keep the stock class name in rollout_buffer_class, so saved files load where this package is absent.
+        model.rollout_buffer = fast_class(
+            model.n_steps,
+            model.observation_space,  # type: ignore[arg-type]
+            model.action_space,
+            device=model.device,
+            gamma=model.gamma,
+            gae_lambda=model.gae_lambda,
+            n_envs=model.n_envs,
+            **model.rollout_buffer_kwargs,
+        )

@@ -31,18 +31,17 @@ import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.buffers import RolloutBuffer
 from stable_baselines3.common.callbacks import BaseCallback
-from stable_baselines3.common.preprocessing import is_image_space
 from stable_baselines3.common.utils import FloatSchedule, obs_as_tensor
 from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_speedups.common.acting.actors import FrozenActorCritic, ModuleActorCritic
 from sb3_speedups.common.nn.heads import make_head
 from sb3_speedups.common.nn.optim import adam_unsupported_reason
-from sb3_speedups.common.nn.training import mlp_unsupported_reason
+from sb3_speedups.common.on_policy.fast_paths import mlp_model_unsupported_reason
 from sb3_speedups.common.on_policy.ppo_loss import STATS, PPOLossConfig, kl_stops, record_train_stats, start_train
 from sb3_speedups.common.torch_utils import apply_num_threads
 from sb3_speedups.errors import UserValueError
-from sb3_speedups.ppo.buffers import FastRolloutBase, fast_buffer_class
+from sb3_speedups.ppo.buffers import FastRolloutBase, install_fast_rollout_buffer
 from sb3_speedups.ppo.collection import collect_rollout, collect_rollout_double_buffered, double_buffer_unsupported_reason
 from sb3_speedups.ppo.cuda_graphs import GraphedEpochs, graph_key
 from sb3_speedups.ppo.minibatches import Minibatch, MinibatchSampler
@@ -147,19 +146,7 @@ class PPO(stable_baselines3.PPO):
         self._close_speedups()
         apply_num_threads(self.num_threads)
         super()._setup_model()
-        fast_class = fast_buffer_class(self.rollout_buffer_class)  # type: ignore[arg-type]
-        if fast_class is not None:
-            # Keep the stock class name in rollout_buffer_class, so saved files load where this package is absent.
-            self.rollout_buffer = fast_class(
-                self.n_steps,
-                self.observation_space,  # type: ignore[arg-type]
-                self.action_space,
-                device=self.device,
-                gamma=self.gamma,
-                gae_lambda=self.gae_lambda,
-                n_envs=self.n_envs,
-                **self.rollout_buffer_kwargs,
-            )
+        install_fast_rollout_buffer(self)
         self._speedups = None
 
     def _excluded_save_params(self) -> list[str]:
@@ -171,14 +158,7 @@ class PPO(stable_baselines3.PPO):
         """:return: why the hand-derived update cannot run this model (so the autograd one does), or ``None``"""
         if not self.fast_update:
             return "fast_update=False"
-        if self.use_sde:
-            return "gSDE"
-        space = self.observation_space
-        if not isinstance(space, spaces.Box) or is_image_space(space):
-            return f"observation space {type(space).__name__} is not a flat Box"
-        reason = mlp_unsupported_reason(self.policy)
-        if reason is None and make_head(self.policy.action_dist, self.action_space) is None:
-            reason = f"action distribution {type(self.policy.action_dist).__name__} has no hand-derived gradient"
+        reason = mlp_model_unsupported_reason(self)
         return reason or adam_unsupported_reason(self.policy.optimizer, list(self.policy.parameters()))
 
     def _inference_device(self) -> th.device:

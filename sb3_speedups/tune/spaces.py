@@ -87,6 +87,27 @@ def ppo_space(algo_cls: type, hyperparams: dict[str, Any]) -> SearchSpace:
     return SearchSpace(params, constraints=[_limit_minibatch])
 
 
+def a2c_space(algo_cls: type, hyperparams: dict[str, Any]) -> SearchSpace:
+    """
+    :param algo_cls: the A2C class that will be trained
+    :param hyperparams: the YAML section (for the policy)
+    :return: the built-in A2C space (the tuner keeps the ``n_steps`` whose rollout fits between two evaluations)
+    """
+    params = _params(
+        Param("n_steps", choices=(5, 8, 16, 32, 64, 128, 256)),
+        Param("learning_rate", low=1e-5, high=3e-3, log=True),
+        Param("learning_rate_schedule", choices=("constant", "linear")),
+        Param("ent_coef", low=1e-8, high=0.05, log=True),
+        Param("vf_coef", low=0.2, high=1.0),
+        Param("max_grad_norm", choices=(0.3, 0.5, 1.0, 5.0)),
+        Param("use_rms_prop", choices=(True, False)),
+        Param("policy_kwargs.net_arch", choices=("64x64", "128x128", "256x256")),
+        Param("policy_kwargs.activation_fn", choices=("Tanh", "ReLU")),
+    )
+    params.update(gae_params(algo_cls))
+    return SearchSpace(params)
+
+
 def dqn_space(algo_cls: type, hyperparams: dict[str, Any]) -> SearchSpace:
     """
     :param algo_cls: the DQN class that will be trained

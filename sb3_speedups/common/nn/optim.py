@@ -5,8 +5,8 @@ The module keeps its own ``nn.Parameter`` objects (so ``state_dict``, saving and
 their storage moves into one contiguous buffer. Gradient clipping then is one norm, and Adam one fused kernel call,
 instead of a Python loop over every tensor. The ``torch.optim.Adam`` object stays the source of truth for the
 hyperparameters, and its state tensors are views into the flat moment buffers, so ``optimizer.state_dict()`` holds
-exactly what stock Adam would hold. :class:`FlatOptimizerStep` is the step of an autograd loss on them (PPO's
-autograd update, RecurrentPPO).
+exactly what stock Adam would hold. :class:`FlatRMSprop` does the same for ``torch.optim.RMSprop`` (A2C).
+:class:`FlatOptimizerStep` is the step of an autograd loss on them (PPO's and A2C's autograd updates, RecurrentPPO).
 """
 
 from __future__ import annotations
@@ -149,26 +149,72 @@ class FlatParameters:
         return self._divisor.fill_(divisor)
 
 
-def adam_unsupported_reason(optimizer: th.optim.Optimizer, params: Sequence[th.Tensor]) -> str | None:
-    """
-    :param optimizer: the policy's optimizer
-    :param params: the parameters it should hold, in order
-    :return: why :class:`FlatAdam` cannot run it, or ``None`` when it can
-    """
-    if type(optimizer) is not th.optim.Adam:
-        return f"optimizer is {type(optimizer).__name__}, not torch.optim.Adam"
+def _flat_unsupported_reason(
+    optimizer: th.optim.Optimizer, params: Sequence[th.Tensor], kind: type, options: tuple[tuple[str, object], ...]
+) -> str | None:
+    """:return: why a flat optimizer of torch's ``kind`` cannot run ``optimizer`` (``options``: the values it needs)"""
+    if type(optimizer) is not kind:
+        return f"optimizer is {type(optimizer).__name__}, not torch.optim.{kind.__name__}"
     if len(optimizer.param_groups) != 1:
         return "optimizer has several parameter groups"
     group = optimizer.param_groups[0]
     if [id(p) for p in group["params"]] != [id(p) for p in params]:
         return "optimizer does not hold exactly the policy's parameters"
-    for key, fine in (("amsgrad", False), ("maximize", False), ("differentiable", False), ("weight_decay", 0)):
+    for key, fine in options:
         if group.get(key, fine) != fine:
             return f"optimizer uses {key}={group[key]}"
     steps = {float(optimizer.state[p]["step"]) for p in params if "step" in optimizer.state.get(p, {})}
     if len(steps) > 1 or (steps and len([p for p in params if "step" in optimizer.state.get(p, {})]) != len(params)):
         return "optimizer state has different step counts per parameter"
     return None
+
+
+def adam_unsupported_reason(optimizer: th.optim.Optimizer, params: Sequence[th.Tensor]) -> str | None:
+    """
+    :param optimizer: the policy's optimizer
+    :param params: the parameters it should hold, in order
+    :return: why :class:`FlatAdam` cannot run it, or ``None`` when it can
+    """
+    options = (("amsgrad", False), ("maximize", False), ("differentiable", False), ("weight_decay", 0))
+    return _flat_unsupported_reason(optimizer, params, th.optim.Adam, options)
+
+
+def rmsprop_unsupported_reason(optimizer: th.optim.Optimizer, params: Sequence[th.Tensor]) -> str | None:
+    """
+    :param optimizer: the policy's optimizer
+    :param params: the parameters it should hold, in order
+    :return: why :class:`FlatRMSprop` cannot run it, or ``None`` when it can
+    """
+    options = (
+        ("momentum", 0),
+        ("centered", False),
+        ("maximize", False),
+        ("differentiable", False),
+        ("capturable", False),
+        ("weight_decay", 0),
+    )
+    return _flat_unsupported_reason(optimizer, params, th.optim.RMSprop, options)
+
+
+def flat_optimizer_unsupported_reason(optimizer: th.optim.Optimizer, params: Sequence[th.Tensor]) -> str | None:
+    """:return: why neither :class:`FlatAdam` nor :class:`FlatRMSprop` can run ``optimizer``, or ``None``"""
+    if type(optimizer) is th.optim.RMSprop:
+        return rmsprop_unsupported_reason(optimizer, params)
+    reason = adam_unsupported_reason(optimizer, params)
+    if reason is not None and reason.startswith("optimizer is "):
+        return f"optimizer is {type(optimizer).__name__}, not torch.optim.Adam or torch.optim.RMSprop"
+    return reason
+
+
+def make_flat_optimizer(flat: FlatParameters, optimizer: th.optim.Optimizer) -> FlatAdam | FlatRMSprop:
+    """:return: the flat twin of ``optimizer`` (check :func:`flat_optimizer_unsupported_reason` first)"""
+    return FlatRMSprop(flat, optimizer) if type(optimizer) is th.optim.RMSprop else FlatAdam(flat, optimizer)
+
+
+def flush_subnormals_(tensor: th.Tensor) -> None:
+    """Set the subnormal entries (below 1.2e-38 in size) of a float32 tensor to zero, in place."""
+    bits = tensor.view(th.int32)
+    bits.masked_fill_(bits.bitwise_and(_EXPONENT_BITS).eq(0), 0)
 
 
 class FlatAdam:
@@ -296,8 +342,66 @@ class FlatAdam:
         """
         self._steps_since_flush = 0
         for moment in (self.exp_avg, self.exp_avg_sq):
-            bits = moment.view(th.int32) if part is None else moment[part].view(th.int32)
-            bits.masked_fill_(bits.bitwise_and(_EXPONENT_BITS).eq(0), 0)
+            flush_subnormals_(moment if part is None else moment[part])
+
+
+class FlatRMSprop:
+    """
+    ``torch.optim.RMSprop`` (no momentum, not centred) on :class:`FlatParameters`, sharing hyperparameters and state
+    with the optimizer object as :class:`FlatAdam` does (``optimizer.state[p]`` holds views of the flat
+    ``square_avg``). Torch has no fused RMSprop kernel; on one flat tensor its update is four element-wise kernels,
+    the operations of torch's own loop (``_single_tensor_rmsprop``). See docs/maths.md, "A2C loss".
+
+    :param flat: the flat parameters
+    :param optimizer: the ``torch.optim.RMSprop`` over exactly ``flat.params`` (check
+        :func:`rmsprop_unsupported_reason`)
+    """
+
+    def __init__(self, flat: FlatParameters, optimizer: th.optim.Optimizer) -> None:
+        reason = rmsprop_unsupported_reason(optimizer, flat.params)
+        if reason is not None:
+            raise ValueError(reason)
+        self.flat, self.optimizer = flat, optimizer
+        self.square_avg = shared_zeros(flat.data.numel(), flat.data.dtype) if flat.shared else th.zeros_like(flat.data)
+        self._avg = th.empty_like(flat.data)
+        self.steps = th.zeros(len(flat.params), dtype=th.float32)  # torch keeps RMSprop's counters on the CPU
+        with th.no_grad():
+            for i, p in enumerate(flat.params):
+                old = optimizer.state.get(p, {})
+                view = self.square_avg[flat.offset(p) : flat.offset(p) + p.numel()].view_as(p)
+                if "square_avg" in old:
+                    view.copy_(old["square_avg"])
+                    self.steps[i] = float(old["step"])
+                optimizer.state[p] = {"step": self.steps[i], "square_avg": view}
+        self._bound = [optimizer.state[p]["square_avg"] for p in flat.params]
+        self._steps_since_flush = 0
+        self._on_cpu = flat.data.device.type == "cpu"
+
+    def is_bound(self) -> bool:
+        """:return: whether the optimizer still holds our state views (``optimizer.load_state_dict`` replaces them)"""
+        state = self.optimizer.state
+        return all(state.get(p, {}).get("square_avg") is v for p, v in zip(self.flat.params, self._bound, strict=True))
+
+    def step(self, grad_divisor: th.Tensor | None = None) -> None:
+        """
+        One RMSprop step of every parameter with the flat gradient, reading ``lr``/``alpha``/``eps`` from the optimizer.
+
+        :param grad_divisor: divide the gradient by this first (gradient clipping, :meth:`FlatParameters.clip_divisor`)
+        """
+        group = self.optimizer.param_groups[0]
+        lr, alpha, eps = float(group["lr"]), float(group["alpha"]), float(group["eps"])
+        grad = self.flat.grad
+        if grad_divisor is not None:
+            grad.div_(grad_divisor)
+        self.steps.add_(1)
+        self.square_avg.mul_(alpha).addcmul_(grad, grad, value=1 - alpha)
+        th.sqrt(self.square_avg, out=self._avg).add_(eps)
+        self.flat.data.addcdiv_(grad, self._avg, value=-lr)
+        self._steps_since_flush += 1
+        # as FlatAdam's second moment: a subnormal square_avg moves no parameter while eps >= FLUSH_MIN_EPS
+        if self._steps_since_flush >= FLUSH_SUBNORMALS_EVERY and self._on_cpu and eps >= FLUSH_MIN_EPS:
+            self._steps_since_flush = 0
+            flush_subnormals_(self.square_avg)
 
 
 class FlatOptimizerStep:
@@ -308,17 +412,25 @@ class FlatOptimizerStep:
 
     :param module: the module whose parameters the optimizer holds
     :param optimizer: its optimizer (its ``param_groups`` stay the source of the learning rate)
+    :param rmsprop: also run a plain ``torch.optim.RMSprop`` flat (:class:`FlatRMSprop`); off, it takes the stock
+        calls, whose numbers differ from the flat step's in the last bits
     """
 
-    def __init__(self, module: nn.Module, optimizer: th.optim.Optimizer) -> None:
+    def __init__(self, module: nn.Module, optimizer: th.optim.Optimizer, rmsprop: bool = False) -> None:
         self.module, self.optimizer = module, optimizer
         params = list(module.parameters())
         self.flat: FlatParameters | None = None
-        self.adam: FlatAdam | None = None
-        if adam_unsupported_reason(optimizer, params) is None:
+        self.flat_optimizer: FlatAdam | FlatRMSprop | None = None
+        unsupported = flat_optimizer_unsupported_reason if rmsprop else adam_unsupported_reason
+        if unsupported(optimizer, params) is None:
             self.flat = FlatParameters(params)
-            self.adam = FlatAdam(self.flat, optimizer)
+            self.flat_optimizer = make_flat_optimizer(self.flat, optimizer)
             self._attach()
+
+    @property
+    def adam(self) -> FlatAdam | None:
+        """:return: the flat Adam, where the optimizer is one"""
+        return self.flat_optimizer if isinstance(self.flat_optimizer, FlatAdam) else None
 
     def _attach(self) -> None:
         assert self.flat is not None
@@ -329,7 +441,8 @@ class FlatOptimizerStep:
         """:return: whether ``optimizer`` is still ours and the parameters and its state still live in our buffers"""
         if optimizer is not self.optimizer:
             return False
-        return self.flat is None or (self.flat.is_bound() and self.adam is not None and self.adam.is_bound())
+        flat_optimizer = self.flat_optimizer
+        return self.flat is None or (self.flat.is_bound() and flat_optimizer is not None and flat_optimizer.is_bound())
 
     def backward(self, loss: th.Tensor) -> None:
         """Back-propagate ``loss`` into zeroed gradients."""
@@ -348,8 +461,8 @@ class FlatOptimizerStep:
 
     def step(self, max_grad_norm: float) -> None:
         """Clip the gradient's norm to ``max_grad_norm`` and take one optimizer step."""
-        if self.flat is None or self.adam is None:
+        if self.flat is None or self.flat_optimizer is None:
             th.nn.utils.clip_grad_norm_(self.module.parameters(), max_grad_norm)
             self.optimizer.step()
             return
-        self.adam.step(self.flat.clip_divisor(max_grad_norm))
+        self.flat_optimizer.step(self.flat.clip_divisor(max_grad_norm))

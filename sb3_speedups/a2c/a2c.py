@@ -1,0 +1,163 @@
+"""
+A2C as in Stable-Baselines3, faster. What differs from stock, and why it is faster:
+
+- collection is PPO's (:func:`sb3_speedups.ppo.collection.collect_rollout`): it acts from a frozen plain-tensor copy
+  of the policy (:mod:`sb3_speedups.common.acting.actors`), synced once per rollout, one batched call per vectorised
+  step, into a buffer allocated once (:class:`~sb3_speedups.ppo.buffers.FastRolloutBuffer`);
+- ``train()``'s one gradient step on the whole rollout is :class:`~sb3_speedups.a2c.update.HandDerivedA2CUpdate`
+  (hand-derived gradients, flat buffers, one flat RMSprop or Adam step) for MLP policies, else the autograd
+  :class:`~sb3_speedups.a2c.update.AutogradA2CUpdate`; its statistics are read in one host sync;
+- torch runs on one CPU thread unless the user chose otherwise (faster and steadier for small networks).
+
+The maths, the defaults and the RNG draws are stock SB3's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import stable_baselines3
+import torch as th
+from stable_baselines3.common.buffers import RolloutBuffer
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.utils import explained_variance
+from stable_baselines3.common.vec_env import VecEnv
+
+from sb3_speedups.a2c.update import A2CLossConfig, AutogradA2CUpdate, HandDerivedA2CUpdate
+from sb3_speedups.common.acting.actors import FrozenActorCritic, ModuleActorCritic
+from sb3_speedups.common.nn.heads import make_head
+from sb3_speedups.common.nn.optim import flat_optimizer_unsupported_reason
+from sb3_speedups.common.on_policy.fast_paths import mlp_model_unsupported_reason
+from sb3_speedups.common.torch_utils import apply_num_threads
+from sb3_speedups.ppo.buffers import FastRolloutBase, install_fast_rollout_buffer
+from sb3_speedups.ppo.collection import collect_rollout
+
+
+@dataclass
+class _Speedups:
+    """Speed-only state, rebuilt whenever the policy's parameters or optimizer state are replaced (never saved)."""
+
+    updater: HandDerivedA2CUpdate | AutogradA2CUpdate
+    actor: FrozenActorCritic | ModuleActorCritic
+    fallback_reason: str | None
+
+
+class A2C(stable_baselines3.A2C):
+    """
+    Advantage Actor Critic, a drop-in for :class:`stable_baselines3.A2C` (same arguments, ``learn``, ``predict``,
+    saved files); see :class:`stable_baselines3.A2C` for every argument not listed here.
+
+    :param num_threads: torch CPU threads; ``None`` keeps a value the user set, else uses the package default (1)
+    :param inference_device: where collection acts, from a copy of the policy synced once per rollout (with a GPU
+        ``device``: training on the GPU, acting on the CPU); ``"auto"`` acts on the training device
+    :param fast_update: use the hand-derived update for MLP policies (``False`` forces the autograd update)
+    """
+
+    def __init__(
+        self,
+        policy: Any,
+        env: Any,
+        *,
+        num_threads: int | None = None,
+        inference_device: str = "cpu",
+        fast_update: bool = True,
+        _init_setup_model: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(policy, env, _init_setup_model=False, **kwargs)
+        self.num_threads = num_threads
+        self.inference_device = inference_device
+        self.fast_update = fast_update
+        self._speedups: _Speedups | None = None
+        if _init_setup_model:
+            self._setup_model()
+
+    def _setup_model(self) -> None:
+        apply_num_threads(self.num_threads)
+        super()._setup_model()
+        install_fast_rollout_buffer(self)
+        self._speedups = None
+
+    def _excluded_save_params(self) -> list[str]:
+        return [*super()._excluded_save_params(), "_speedups"]
+
+    # ----- speed-only state ---------------------------------------------------------------------------------------
+
+    def fast_path_unsupported_reason(self) -> str | None:
+        """:return: why the hand-derived update cannot run this model (so the autograd one does), or ``None``"""
+        if not self.fast_update:
+            return "fast_update=False"
+        reason = mlp_model_unsupported_reason(self)
+        return reason or flat_optimizer_unsupported_reason(self.policy.optimizer, list(self.policy.parameters()))
+
+    def _ensure_speedups(self) -> _Speedups:
+        speed = self._speedups
+        if speed is not None and speed.updater.policy is self.policy and speed.updater.is_bound():
+            return speed
+        reason = self.fast_path_unsupported_reason()
+        device = self.device if self.inference_device == "auto" else th.device(self.inference_device)
+        if reason is None:
+            head = make_head(self.policy.action_dist, self.action_space)
+            assert head is not None
+            updater: HandDerivedA2CUpdate | AutogradA2CUpdate = HandDerivedA2CUpdate(self.policy, head)
+            actor: FrozenActorCritic | ModuleActorCritic = FrozenActorCritic(self.policy, head, device)
+        else:
+            updater = AutogradA2CUpdate(self.policy)
+            actor = ModuleActorCritic(self.policy, device)
+            if self.verbose >= 1:
+                print(f"sb3_speedups A2C: using the autograd update ({reason})")
+        self._speedups = _Speedups(updater, actor, reason)
+        return self._speedups
+
+    # ----- collection and update ----------------------------------------------------------------------------------
+
+    def collect_rollouts(
+        self, env: VecEnv, callback: BaseCallback, rollout_buffer: RolloutBuffer, n_rollout_steps: int
+    ) -> bool:
+        if not isinstance(rollout_buffer, FastRolloutBase):
+            return super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps)
+        speed = self._ensure_speedups()
+        speed.actor.sync()
+        return collect_rollout(self, env, callback, rollout_buffer, n_rollout_steps, speed.actor, self.gamma)
+
+    def train(self) -> None:
+        """One gradient step on the whole rollout: SB3's A2C loss, minus its per-update overheads."""
+        buffer = self.rollout_buffer
+        if not isinstance(buffer, FastRolloutBase):
+            return super().train()
+        speed = self._ensure_speedups()
+        self.policy.set_training_mode(True)
+        self._update_learning_rate(self.policy.optimizer)
+        cfg = A2CLossConfig(
+            float(self.ent_coef), float(self.vf_coef), float(self.max_grad_norm), bool(self.normalize_advantage)
+        )
+        updater = speed.updater
+        if isinstance(updater, HandDerivedA2CUpdate):
+            # Stock's get() draws a permutation of the rollout; drawing it too keeps numpy's global RNG in step with
+            # stock's (the loss is a mean over the rollout: the order would change only its rounding).
+            np.random.permutation(buffer.buffer_size * buffer.n_envs)
+            observations = buffer.flat_observations()
+            assert isinstance(observations, th.Tensor)
+            actions, advantages, returns = (buffer.flat(name).to(self.device) for name in ("actions", "advantages", "returns"))
+            with th.inference_mode():  # no autograd is needed: without its dispatch every op is cheaper
+                stats = updater.update(observations.to(self.device), actions, advantages, returns, cfg)
+        else:
+            stats = updater.update(next(buffer.get(batch_size=None)), cfg)  # the whole rollout is one batch
+        self._n_updates += 1
+        self._record_train_stats(stats)
+
+    def _record_train_stats(self, stats: th.Tensor) -> None:
+        """Record what stock A2C records after ``train()`` (one host sync for the losses)."""
+        policy_loss, value_loss, entropy_loss = stats.tolist()
+        buffer = self.rollout_buffer
+        logger = self.logger
+        logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
+        logger.record("train/explained_variance", explained_variance(buffer.values.flatten(), buffer.returns.flatten()))
+        logger.record("train/entropy_loss", entropy_loss)
+        logger.record("train/policy_loss", policy_loss)
+        logger.record("train/value_loss", value_loss)
+        log_std = getattr(self.policy, "log_std", None)
+        if log_std is not None:
+            logger.record("train/std", th.exp(log_std).mean().item())
