@@ -15,7 +15,7 @@ from stable_baselines3.common.distributions import (
 from stable_baselines3.dqn.policies import DQNPolicy
 
 from sb3_speedups.common.nn.heads import BernoulliHead, CategoricalHead, DiagGaussianHead
-from sb3_speedups.common.nn.optim import FlatParameters
+from sb3_speedups.common.nn.flat import FlatParameters
 from sb3_speedups.dqn.update import HandDerivedQUpdate, huber_
 
 N = 29  # rows of a minibatch

@@ -7,11 +7,11 @@ import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.policies import ActorCriticPolicy
 
+from sb3_speedups.common.nn.flat import FlatParameters
 from sb3_speedups.common.nn.optim import (
     FLUSH_SUBNORMALS_EVERY,
     FlatAdam,
     FlatOptimizerStep,
-    FlatParameters,
     FlatRMSprop,
     adam_unsupported_reason,
     flat_optimizer_unsupported_reason,

@@ -24,7 +24,8 @@ from stable_baselines3.dqn.policies import DQNPolicy, QNetwork
 
 from sb3_speedups.common.nn.mlp import parse_output_mlp
 from sb3_speedups.common.nn.training import MlpChain
-from sb3_speedups.common.nn.optim import FlatAdam, FlatParameters, adam_unsupported_reason
+from sb3_speedups.common.nn.flat import FlatParameters
+from sb3_speedups.common.nn.optim import FlatAdam, adam_unsupported_reason
 
 
 def q_mlp_unsupported_reason(policy: DQNPolicy) -> str | None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch as th
 
-from sb3_speedups.common.nn.optim import shared_zeros
+from sb3_speedups.common.nn.flat import shared_zeros
 
 # Slots of the control block (int64): commands written by the training process, commands done by the helper, the
 # helper's status, and whether it sleeps on its pipe.

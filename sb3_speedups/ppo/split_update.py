@@ -8,7 +8,7 @@ gradient clipping couples them (one norm over all gradients). So each minibatch 
 critic's forward and backward while the training process computes the actor's; the training process then takes the
 norm of the whole gradient (the same reduction over the same buffer as in one process), and each process takes the
 Adam step of its own parameters (element-wise, so the same numbers). Parameters, gradients and Adam moments live in
-shared memory (:func:`~sb3_speedups.common.nn.optim.shared_zeros`); the processes hand over work through a command
+shared memory (:func:`~sb3_speedups.common.nn.flat.shared_zeros`); the processes hand over work through a command
 ring (:mod:`sb3_speedups.ppo.helper_process`, which also says how the helper lives and dies).
 """
 
@@ -26,7 +26,7 @@ import torch as th
 from stable_baselines3.common.policies import ActorCriticPolicy
 
 from sb3_speedups.common.nn.heads import ActionHead
-from sb3_speedups.common.nn.optim import shared_zeros
+from sb3_speedups.common.nn.flat import shared_zeros
 from sb3_speedups.common.on_policy.ppo_loss import VALUE_LOSS, PPOLossConfig
 from sb3_speedups.common.torch_utils import available_cpus
 from sb3_speedups.ppo.helper_process import CommandChannel, HelperError, HelperProcess, deferred_sigint

@@ -140,7 +140,7 @@ class HandDerivedWorkspace:
 class HandDerivedPPOUpdate(TrainHooks):
     """
     Hand-derived PPO update of an MLP ``ActorCriticPolicy``; building it moves the policy's parameters into one
-    flat buffer (:class:`~sb3_speedups.common.nn.optim.FlatParameters`) and its Adam state into :class:`FlatAdam`.
+    flat buffer (:class:`~sb3_speedups.common.nn.flat.FlatParameters`) and its Adam state into :class:`FlatAdam`.
 
     :param policy: a policy accepted by :func:`~sb3_speedups.common.nn.training.mlp_unsupported_reason`, with a
         ``torch.optim.Adam`` accepted by :func:`~sb3_speedups.common.nn.optim.adam_unsupported_reason`

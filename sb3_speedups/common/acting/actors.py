@@ -2,7 +2,7 @@
 Batched policy calls for collecting experience, from a frozen copy of the policy synced once per rollout.
 
 - :class:`ParameterMirror`: plain-tensor copies of a module's parameters on the acting device (CPU), refreshed with
-  one copy when the source tensors share one flat buffer (:class:`sb3_speedups.common.nn.optim.FlatParameters`).
+  one copy when the source tensors share one flat buffer (:class:`sb3_speedups.common.nn.flat.FlatParameters`).
 - :class:`~sb3_speedups.common.acting.torch_mlp.TorchMlp` (torch) and
   :class:`~sb3_speedups.common.acting.numpy_actor.NumpyActorCritic` (numpy): the acting executors of the MLP
   description (:mod:`sb3_speedups.common.nn.mlp`).

@@ -23,7 +23,7 @@ from sb3_speedups.common.nn.actor_critic import (
     split_layout,
 )
 from sb3_speedups.common.nn.mlp import NONE, Mlp, biases, stack
-from sb3_speedups.common.nn.optim import FlatParameters
+from sb3_speedups.common.nn.flat import FlatParameters
 
 __all__ = ["ActorCriticMlp", "MlpChain", "mlp_unsupported_reason"]
 
