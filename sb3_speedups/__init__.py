@@ -13,6 +13,7 @@ _LAZY = {
     "PPO": "sb3_speedups.ppo:PPO",
     "DQN": "sb3_speedups.dqn:DQN",
     "RecurrentPPO": "sb3_speedups.ppo_recurrent:RecurrentPPO",
+    "MaskablePPO": "sb3_speedups.ppo_mask:MaskablePPO",
 }
 
 __all__ = ["BatchedSubprocVecEnv", "__version__", "make_vec_env", *_LAZY]

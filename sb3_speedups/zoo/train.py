@@ -5,6 +5,8 @@ load hyperparameters -> make envs -> make model -> learn (with evaluation and ch
 
 from __future__ import annotations
 
+import sys
+
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -190,6 +192,16 @@ def create_model(experiment: Experiment, env: VecEnv) -> BaseAlgorithm:
         raise UserError(f"invalid hyperparameters for {config.algo} on {config.env_id}: {message}") from None
 
 
+def eval_callback_class(algo_cls: type) -> type[EvalCallback]:
+    """:return: ``EvalCallback``, or sb3-contrib's ``MaskableEvalCallback`` (evaluates with action masks) for MaskablePPO"""
+    maskable = sys.modules.get("sb3_contrib.ppo_mask.ppo_mask")  # loaded if algo_cls is one
+    if maskable is not None and issubclass(algo_cls, maskable.MaskablePPO):
+        from sb3_contrib.common.maskable.callbacks import MaskableEvalCallback
+
+        return MaskableEvalCallback
+    return EvalCallback
+
+
 def make_callbacks(experiment: Experiment, run_dir: Path, eval_env: VecEnv | None) -> list[BaseCallback]:
     """
     :return: the YAML's callbacks, periodic evaluation (``best_model.zip``, ``evaluations.npz``) and checkpoints
@@ -198,7 +210,7 @@ def make_callbacks(experiment: Experiment, run_dir: Path, eval_env: VecEnv | Non
     callbacks: list[BaseCallback] = [cls(**kwargs) for cls, kwargs in experiment.hyperparams.callbacks]
     if eval_env is not None:
         callbacks.append(
-            EvalCallback(
+            eval_callback_class(experiment.algo_cls)(
                 eval_env,
                 n_eval_episodes=config.eval_episodes,
                 eval_freq=max(config.eval_freq // n_envs, 1),
