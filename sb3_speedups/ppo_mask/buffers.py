@@ -41,4 +41,5 @@ class FastMaskableRolloutBuffer(FastRolloutBuffer, MaskableRolloutBuffer):
             index = th.from_numpy(rows)
             obs = self.flat_observations()[index].to(self.device)
             masks = self.flat("action_masks")[index].to(self.device)
-            yield MaskableRolloutBufferSamples(obs, *self._common_samples(rows, self.device), masks)
+            actions, values, log_probs, advantages, returns = self._common_samples(rows, self.device)
+            yield MaskableRolloutBufferSamples(obs, actions, values, log_probs, advantages, returns, masks)

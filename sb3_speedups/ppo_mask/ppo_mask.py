@@ -57,16 +57,17 @@ class MaskablePPO(sb3_contrib.MaskablePPO):
         :class:`sb3_speedups.PPO`): ``True``, ``False`` or ``"auto"``
     """
 
-    # PPO's engine, used as it is: these read only attributes that both classes have (PPO.train below, too).
-    _close_speedups = PPO._close_speedups
-    _inference_device = PPO._inference_device
-    _sampler = PPO._sampler
-    _observation_spaces = PPO._observation_spaces
-    _recompute_advantages = PPO._recompute_advantages
-    _run_epochs = PPO._run_epochs
-    _minibatch_updates = PPO._minibatch_updates
-    _graphed_epochs = PPO._graphed_epochs
-    split_update_unsupported_reason = PPO.split_update_unsupported_reason
+    # PPO's engine, used as it is (typed Any: mypy binds them to PPO): these read only attributes that both classes
+    # have, as PPO.train (called by train below) does.
+    _close_speedups: Any = PPO._close_speedups
+    _inference_device: Any = PPO._inference_device
+    _sampler: Any = PPO._sampler
+    _observation_spaces: Any = PPO._observation_spaces
+    _recompute_advantages: Any = PPO._recompute_advantages
+    _run_epochs: Any = PPO._run_epochs
+    _minibatch_updates: Any = PPO._minibatch_updates
+    _graphed_epochs: Any = PPO._graphed_epochs
+    split_update_unsupported_reason: Any = PPO.split_update_unsupported_reason
 
     def __init__(
         self,

@@ -178,8 +178,8 @@ class FrozenActorCritic:
             return np_actions, th.from_numpy(np_values), log_prob
         latent_pi, latent_vf = self._latents(self._features(obs))
         values = self.value_net(latent_vf)
-        out = self.action_net(latent_pi)
-        actions, log_prob = self.head.sample(out if masks is None else mask_logits(out, masks), self.log_std)
+        logits = self.action_net(latent_pi)
+        actions, log_prob = self.head.sample(logits if masks is None else mask_logits(logits, masks), self.log_std)
         return (actions if actions.device.type == "cpu" else actions.cpu()).numpy(), values, log_prob
 
     def predict_values(self, obs: np.ndarray) -> th.Tensor:

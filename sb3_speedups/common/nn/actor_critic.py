@@ -12,6 +12,7 @@ import sys
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import torch as th
 from stable_baselines3.common.policies import ActorCriticPolicy
@@ -55,11 +56,14 @@ def parse_actor_critic(policy: ActorCriticPolicy) -> ActorCritic | str:
     return ActorCritic(pi, vf, action, value, getattr(policy, "log_std", None))
 
 
-def _is_maskable_mlp_policy(policy: nn.Module) -> bool:
-    """:return: whether ``policy`` is sb3-contrib's ``MaskableActorCriticPolicy`` (the same networks as SB3's)"""
+def _is_plain_policy(policy: nn.Module) -> TypeGuard[ActorCriticPolicy]:
+    """
+    :return: whether ``policy`` is SB3's ``ActorCriticPolicy`` itself, or sb3-contrib's ``MaskableActorCriticPolicy``
+        (the same networks and attributes, its own base class)
+    """
     # looked up, not imported: a maskable policy exists only once sb3-contrib is loaded
     maskable = sys.modules.get("sb3_contrib.common.maskable.policies")
-    return maskable is not None and type(policy) is maskable.MaskableActorCriticPolicy
+    return type(policy) is ActorCriticPolicy or (maskable is not None and type(policy) is maskable.MaskableActorCriticPolicy)
 
 
 def mlp_unsupported_reason(policy: nn.Module) -> str | None:
@@ -67,7 +71,7 @@ def mlp_unsupported_reason(policy: nn.Module) -> str | None:
     :param policy: an SB3 policy
     :return: why :class:`~sb3_speedups.common.nn.training.ActorCriticMlp` cannot run it, or ``None`` when it can
     """
-    if type(policy) is not ActorCriticPolicy and not _is_maskable_mlp_policy(policy):
+    if not _is_plain_policy(policy):
         return f"policy class {type(policy).__name__} is not the plain MlpPolicy (ActorCriticPolicy)"
     if not isinstance(policy.features_extractor, FlattenExtractor) or not isinstance(
         policy.vf_features_extractor, FlattenExtractor
