@@ -5,8 +5,6 @@ load hyperparameters -> make envs -> make model -> learn (with evaluation and ch
 
 from __future__ import annotations
 
-import sys
-
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,7 +20,7 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize, sync_envs_nor
 from sb3_speedups.common.save_util import save_model, save_vecnormalize
 from sb3_speedups.common.torch_utils import apply_num_threads
 from sb3_speedups.errors import UserError
-from sb3_speedups.zoo.evaluation import evaluate
+from sb3_speedups.zoo.evaluation import evaluate, is_maskable
 from sb3_speedups.registry import get_algo
 from sb3_speedups.zoo import runs
 from sb3_speedups.zoo.callbacks import AtomicCheckpointCallback, PrintEvaluation, SaveBestModelCallback, StopOnSignal
@@ -194,8 +192,7 @@ def create_model(experiment: Experiment, env: VecEnv) -> BaseAlgorithm:
 
 def eval_callback_class(algo_cls: type) -> type[EvalCallback]:
     """:return: ``EvalCallback``, or sb3-contrib's ``MaskableEvalCallback`` (evaluates with action masks) for MaskablePPO"""
-    maskable = sys.modules.get("sb3_contrib.ppo_mask.ppo_mask")  # loaded if algo_cls is one
-    if maskable is not None and issubclass(algo_cls, maskable.MaskablePPO):
+    if is_maskable(algo_cls):
         from sb3_contrib.common.maskable.callbacks import MaskableEvalCallback
 
         return MaskableEvalCallback
