@@ -59,7 +59,12 @@ ALGOS: dict[str, AlgoSpec] = {
             fast="sb3_speedups.ppo_recurrent:RecurrentPPO",
             sampler="sb3_speedups.tune.spaces:ppo_lstm_space",
         ),
-        AlgoSpec("ppo_mask", "sb3_contrib:MaskablePPO", fast="sb3_speedups.ppo_mask:MaskablePPO"),
+        AlgoSpec(
+            "ppo_mask",
+            "sb3_contrib:MaskablePPO",
+            fast="sb3_speedups.ppo_mask:MaskablePPO",
+            sampler="sb3_speedups.tune.spaces:ppo_space",
+        ),
         AlgoSpec("a2c", "stable_baselines3:A2C"),
         AlgoSpec("sac", "stable_baselines3:SAC"),
         AlgoSpec("td3", "stable_baselines3:TD3"),

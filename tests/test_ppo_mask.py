@@ -18,6 +18,7 @@ from sb3_speedups import MaskablePPO
 from sb3_speedups.cli import main
 from sb3_speedups.common.nn.heads.masked import MaskedCategoricalHead, make_masked_head
 from sb3_speedups.ppo_mask import FastMaskableRolloutBuffer
+from sb3_speedups.registry import get_algo, import_object
 
 SMALL = dict(n_steps=16, batch_size=32, n_epochs=2, seed=3, ent_coef=0.01)
 
@@ -167,3 +168,11 @@ def test_cli_trains_ppo_mask(tmp_path: Path) -> None:
     saved = next(tmp_path.glob("ppo_mask/InvalidActionEnvDiscrete-v0_1/InvalidActionEnvDiscrete-v0.zip"))
     loaded = sb3_contrib.MaskablePPO.load(saved)  # sb3-contrib loads the CLI's file
     assert loaded.num_timesteps >= 1024
+
+
+def test_registry_and_search_space() -> None:
+    spec = get_algo("ppo_mask")
+    assert spec.cls() is MaskablePPO and spec.cls(stock=True) is sb3_contrib.MaskablePPO
+    assert spec.sampler == "sb3_speedups.tune.spaces:ppo_space"
+    space = import_object(spec.sampler)(MaskablePPO, {})
+    assert "recompute_advantages" not in space.params  # PPO's own option, not MaskablePPO's

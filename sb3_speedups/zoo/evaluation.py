@@ -15,18 +15,21 @@ def is_maskable(algo_cls: type) -> bool:
     return maskable is not None and issubclass(algo_cls, maskable.MaskablePPO)
 
 
-def evaluate(model: BaseAlgorithm, env: VecEnv, n_episodes: int, deterministic: bool = True) -> tuple[float, float]:
+def evaluate(
+    model: BaseAlgorithm, env: VecEnv, n_episodes: int, deterministic: bool = True, warn: bool = True
+) -> tuple[float, float]:
     """
     :param model: the agent
     :param env: the evaluation env
     :param n_episodes: episodes to run
     :param deterministic: deterministic actions
+    :param warn: warn when the env is not wrapped with a ``Monitor`` (SB3's ``evaluate_policy``)
     :return: mean and standard deviation of the episode returns (with the envs' action masks for MaskablePPO)
     """
     if is_maskable(type(model)):
         from sb3_contrib.common.maskable.evaluation import evaluate_policy as evaluate_masked
 
-        mean, std = evaluate_masked(model, env, n_eval_episodes=n_episodes, deterministic=deterministic)  # type: ignore[arg-type]
+        mean, std = evaluate_masked(model, env, n_eval_episodes=n_episodes, deterministic=deterministic, warn=warn)  # type: ignore[arg-type]
         return float(mean), float(std)  # type: ignore[arg-type]
-    mean, std = evaluate_policy(model, env, n_eval_episodes=n_episodes, deterministic=deterministic)
+    mean, std = evaluate_policy(model, env, n_eval_episodes=n_episodes, deterministic=deterministic, warn=warn)
     return float(mean), float(std)  # type: ignore[arg-type]
