@@ -92,6 +92,7 @@ class MaskablePPO(sb3_contrib.MaskablePPO):
         self.split_update = split_update
         self.recompute_advantages = False  # PPO's epoch loop asks
         self._speedups: _Speedups | None = None
+        self._fallback_reason: str | None = None  # the last one printed
         if _init_setup_model:
             self._setup_model()
 
@@ -114,7 +115,7 @@ class MaskablePPO(sb3_contrib.MaskablePPO):
         self._speedups = None
 
     def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "_speedups"]
+        return [*super()._excluded_save_params(), "_speedups", "_fallback_reason"]
 
     # ----- speed-only state ---------------------------------------------------------------------------------------
 
@@ -141,8 +142,9 @@ class MaskablePPO(sb3_contrib.MaskablePPO):
         self._speedups = None
         reason = self.fast_path_unsupported_reason()
         if reason is not None:
-            if self.verbose >= 2:
+            if self.verbose >= 1 and reason != self._fallback_reason:
                 print(f"sb3_speedups MaskablePPO: using sb3-contrib's code ({reason})")
+            self._fallback_reason = reason
             return None
         head = make_masked_head(self.policy.action_dist)
         assert head is not None
