@@ -31,6 +31,7 @@ ENVS = {
     "discrete": lambda: gym.make("InvalidActionEnvDiscrete-v0", ep_length=5),
     "multidiscrete": lambda: gym.make("InvalidActionEnvMultiDiscrete-v0", ep_length=5),
     "multibinary": multibinary_env,
+    "knapsack": lambda: gym.make("MaskedKnapsack-v0"),
 }
 
 
@@ -70,7 +71,7 @@ def test_masked_sampling_never_picks_a_masked_action(name: str, rows: int) -> No
     assert picked.all()  # every choice is drawn somewhere: masking, not a stuck sampler
 
 
-@pytest.mark.parametrize("name", ["discrete", "multidiscrete", "multibinary"])
+@pytest.mark.parametrize("name", list(ENVS))
 def test_first_rollout_equals_sb3_contrib(name: str) -> None:
     buffers = []
     for cls in (sb3_contrib.MaskablePPO, MaskablePPO):
@@ -176,3 +177,15 @@ def test_registry_and_search_space() -> None:
     assert spec.sampler == "sb3_speedups.tune.spaces:ppo_space"
     space = import_object(spec.sampler)(MaskablePPO, {})
     assert "recompute_advantages" not in space.params  # PPO's own option, not MaskablePPO's
+
+
+def test_knapsack_invalid_action_ends_the_episode_and_masks_shrink() -> None:
+    env = gym.make("MaskedKnapsack-v0").unwrapped
+    env.reset(seed=0)
+    first = env.action_masks()
+    item = int(np.flatnonzero(first)[0])
+    _, reward, terminated, _, _ = env.step(item)
+    assert reward > 0 and not terminated and not env.action_masks()[item]
+    assert env.action_masks().sum() < first.sum()
+    _, reward, terminated, _, info = env.step(item)  # taken already: invalid
+    assert reward == 0.0 and terminated and info["invalid_action"]

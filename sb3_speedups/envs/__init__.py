@@ -5,6 +5,7 @@ Environments shipped with the package, registered with gymnasium on import.
   as the RL Zoo registers them (partially observable: memory helps).
 - ``DelayedRecall-v0``: recall a cue shown only at the start of the episode (feed-forward policies stay at chance).
 - ``InvalidActionEnvDiscrete-v0``, ``InvalidActionEnvMultiDiscrete-v0``: sb3-contrib's action-masking test envs.
+- ``MaskedKnapsack-v0``: fill a knapsack item by item (action masking matters: most items become invalid).
 """
 
 from gymnasium.envs.registration import register, registry
@@ -32,6 +33,8 @@ def register_envs() -> None:
             register(
                 id=env_id, entry_point="sb3_speedups.envs.invalid_actions:make_invalid_action_env", kwargs={"env_id": env_id}
             )
+    if "MaskedKnapsack-v0" not in registry:
+        register(id="MaskedKnapsack-v0", entry_point="sb3_speedups.envs.knapsack:MaskedKnapsackEnv")
     if "DelayedRecall-v0" not in registry:
         register(id="DelayedRecall-v0", entry_point="sb3_speedups.envs.delayed_recall:DelayedRecallEnv", max_episode_steps=64)
 
