@@ -189,3 +189,14 @@ def test_knapsack_invalid_action_ends_the_episode_and_masks_shrink() -> None:
     assert env.action_masks().sum() < first.sum()
     _, reward, terminated, _, info = env.step(item)  # taken already: invalid
     assert reward == 0.0 and terminated and info["invalid_action"]
+
+
+def test_dict_observations_run_sb3_contrib_code() -> None:
+    def make() -> gym.Env:
+        env = gym.make("MaskedKnapsack-v0")
+        return gym.wrappers.TransformObservation(env, lambda obs: {"x": obs}, gym.spaces.Dict({"x": env.observation_space}))
+
+    model = MaskablePPO("MultiInputPolicy", make_vec_env(make, n_envs=2, seed=0), **SMALL).learn(64)
+    assert model._speedups is None and "MaskableDictRolloutBuffer" in str(model.fast_path_unsupported_reason())
+    masks = model.rollout_buffer.action_masks.reshape(-1, 20)
+    assert not masks.all() and model.num_timesteps == 64
