@@ -11,9 +11,9 @@ __version__ = "0.1.0"
 # Algorithms are imported on first use, so that ``import sb3_speedups`` (and ``sb3-speedups --help``) stays fast.
 _LAZY = {
     "PPO": "sb3_speedups.ppo:PPO",
+    "MaskablePPO": "sb3_speedups.ppo_mask:MaskablePPO",
     "DQN": "sb3_speedups.dqn:DQN",
     "RecurrentPPO": "sb3_speedups.ppo_recurrent:RecurrentPPO",
-    "MaskablePPO": "sb3_speedups.ppo_mask:MaskablePPO",
 }
 
 __all__ = ["BatchedSubprocVecEnv", "__version__", "make_vec_env", *_LAZY]

@@ -24,7 +24,8 @@ from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
 from stable_baselines3.common.vec_env import VecEnv
 
-from sb3_speedups import DQN, PPO, MaskablePPO, RecurrentPPO
+from sb3_speedups import DQN, PPO, RecurrentPPO
+from sb3_speedups.ppo_mask import MaskablePPO
 from sb3_speedups.ppo_recurrent.collection import frozen_actor_unsupported_reason
 
 
@@ -223,17 +224,6 @@ CASES = [
         "ppo-autograd", PPO, stable_baselines3.PPO, PPO_ENV, SEEDED_PPO, updater_engine, "AutogradPPOUpdate",
         ours_kwargs=dict(fast_update=False), **PPO_BUFFER,
     ),
-    AlgoCase(
-        "ppo-mask", MaskablePPO, sb3_contrib.MaskablePPO, masked_env("InvalidActionEnvDiscrete-v0"), SEEDED_MASK, **MASK_CASE
-    ),
-    AlgoCase(
-        "ppo-mask-multidiscrete", MaskablePPO, sb3_contrib.MaskablePPO, masked_env("InvalidActionEnvMultiDiscrete-v0"),
-        SEEDED_MASK, **MASK_CASE,
-    ),
-    AlgoCase(
-        "ppo-mask-split", MaskablePPO, sb3_contrib.MaskablePPO, masked_env("InvalidActionEnvDiscrete-v0"), SEEDED_MASK,
-        **{**MASK_CASE, "engine": "SplitPPOUpdate", "ours_kwargs": dict(split_update=True)}, marks=LINUX_ONLY,
-    ),
     AlgoCase("dqn", DQN, stable_baselines3.DQN, dqn_env(1), SEEDED_DQN, **DQN_CASE),
     AlgoCase("dqn-4envs", DQN, stable_baselines3.DQN, dqn_env(4), SEEDED_DQN, **DQN_CASE),
     AlgoCase("dqn-3step", DQN, stable_baselines3.DQN, dqn_env(1), {**SEEDED_DQN, "n_steps": 3}, **DQN_CASE),
@@ -245,6 +235,17 @@ CASES = [
     AlgoCase(
         "dqn-dueling", DQN, None, dqn_env(1), {**SEEDED_DQN, "policy_kwargs": dict(net_arch=[16, 8], dueling=True)},
         **{**DQN_CASE, "engine": "AutogradQUpdate", "learn_steps": 400},
+    ),
+    AlgoCase(
+        "ppo-mask", MaskablePPO, sb3_contrib.MaskablePPO, masked_env("InvalidActionEnvDiscrete-v0"), SEEDED_MASK, **MASK_CASE
+    ),
+    AlgoCase(
+        "ppo-mask-multidiscrete", MaskablePPO, sb3_contrib.MaskablePPO, masked_env("InvalidActionEnvMultiDiscrete-v0"),
+        SEEDED_MASK, **MASK_CASE,
+    ),
+    AlgoCase(
+        "ppo-mask-split", MaskablePPO, sb3_contrib.MaskablePPO, masked_env("InvalidActionEnvDiscrete-v0"), SEEDED_MASK,
+        **{**MASK_CASE, "engine": "SplitPPOUpdate", "ours_kwargs": dict(split_update=True)}, marks=LINUX_ONLY,
     ),
     AlgoCase(
         "recurrent-lstm", RecurrentPPO, sb3_contrib.RecurrentPPO, kwargs={**RECURRENT_SMALL, "policy_kwargs": RNN_KWARGS},
