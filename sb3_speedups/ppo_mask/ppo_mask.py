@@ -54,7 +54,8 @@ class MaskablePPO(sb3_contrib.MaskablePPO):
     :param fast_update: use PPO's hand-derived update for MLP policies (``False``: sb3-contrib's own code throughout)
     :param cuda_graphs: on a CUDA ``device``, replay the epochs from a CUDA graph (as :class:`sb3_speedups.PPO`)
     :param split_update: run the critic's half of each minibatch update in a helper process (as
-        :class:`sb3_speedups.PPO`): ``True``, ``False`` or ``"auto"``
+        :class:`sb3_speedups.PPO`): ``True``, ``False`` or ``"auto"``; off by default: masking problems are
+        mostly collection-bound (env and mask calls), where the helper's per-update handshakes cost more than they save
     """
 
     # PPO's engine, used as it is (typed Any: mypy binds them to PPO): these read only attributes that both classes
@@ -78,7 +79,7 @@ class MaskablePPO(sb3_contrib.MaskablePPO):
         inference_device: str = "cpu",
         fast_update: bool = True,
         cuda_graphs: bool = True,
-        split_update: bool | str = "auto",
+        split_update: bool | str = False,
         _init_setup_model: bool = True,
         **kwargs: Any,
     ) -> None:
