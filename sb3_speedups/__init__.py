@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "PPO": "sb3_speedups.ppo:PPO",
     "A2C": "sb3_speedups.a2c:A2C",
+    "MaskablePPO": "sb3_speedups.ppo_mask:MaskablePPO",
     "DQN": "sb3_speedups.dqn:DQN",
     "RecurrentPPO": "sb3_speedups.ppo_recurrent:RecurrentPPO",
 }

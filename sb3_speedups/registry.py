@@ -52,6 +52,12 @@ ALGOS: dict[str, AlgoSpec] = {
     spec.name: spec
     for spec in (
         AlgoSpec("ppo", "stable_baselines3:PPO", fast="sb3_speedups.ppo:PPO", sampler="sb3_speedups.tune.spaces:ppo_space"),
+        AlgoSpec(
+            "ppo_mask",
+            "sb3_contrib:MaskablePPO",
+            fast="sb3_speedups.ppo_mask:MaskablePPO",
+            sampler="sb3_speedups.tune.spaces:ppo_space",
+        ),
         AlgoSpec("dqn", "stable_baselines3:DQN", fast="sb3_speedups.dqn:DQN", sampler="sb3_speedups.tune.spaces:dqn_space"),
         AlgoSpec(
             "ppo_lstm",

@@ -25,6 +25,7 @@ from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
 from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_speedups import A2C, DQN, PPO, RecurrentPPO
+from sb3_speedups.ppo_mask import MaskablePPO
 from sb3_speedups.ppo_recurrent.collection import frozen_actor_unsupported_reason
 
 
@@ -196,6 +197,22 @@ def dqn_env(n_envs: int) -> Callable[[], VecEnv]:
     return seeded_envs("CartPole-v1", n_envs, 3)
 
 
+def masked_env(env_id: str) -> Callable[[], VecEnv]:
+    """:return: a factory of sb3-contrib's masking test env (short episodes: starts inside one rollout)"""
+    return lambda: make_vec_env(lambda: gym.make(env_id, ep_length=5), n_envs=4, seed=3)
+
+
+MASK_CASE = dict(
+    engine_of=updater_engine,
+    engine="HandDerivedPPOUpdate",
+    ours_kwargs=dict(split_update=False),
+    exact=("observations", "actions", "episode_starts", "action_masks"),
+    close=("values", "log_probs", "returns", "advantages"),
+    callback_gaps=frozenset({"use_masking"}),  # sb3-contrib's collect_rollouts argument; PPO's loop has no such local
+)
+SEEDED_MASK = {**SEEDED_PPO, "ent_coef": 0.01}
+
+
 CASES = [
     AlgoCase(
         "ppo", PPO, stable_baselines3.PPO, PPO_ENV, SEEDED_PPO, updater_engine, "HandDerivedPPOUpdate",
@@ -246,6 +263,17 @@ CASES = [
     AlgoCase(
         "dqn-dueling", DQN, None, dqn_env(1), {**SEEDED_DQN, "policy_kwargs": dict(net_arch=[16, 8], dueling=True)},
         **{**DQN_CASE, "engine": "AutogradQUpdate", "learn_steps": 400},
+    ),
+    AlgoCase(
+        "ppo-mask", MaskablePPO, sb3_contrib.MaskablePPO, masked_env("InvalidActionEnvDiscrete-v0"), SEEDED_MASK, **MASK_CASE
+    ),
+    AlgoCase(
+        "ppo-mask-multidiscrete", MaskablePPO, sb3_contrib.MaskablePPO, masked_env("InvalidActionEnvMultiDiscrete-v0"),
+        SEEDED_MASK, **MASK_CASE,
+    ),
+    AlgoCase(
+        "ppo-mask-split", MaskablePPO, sb3_contrib.MaskablePPO, masked_env("InvalidActionEnvDiscrete-v0"), SEEDED_MASK,
+        **{**MASK_CASE, "engine": "SplitPPOUpdate", "ours_kwargs": dict(split_update=True)}, marks=LINUX_ONLY,
     ),
     AlgoCase(
         "recurrent-lstm", RecurrentPPO, sb3_contrib.RecurrentPPO, kwargs={**RECURRENT_SMALL, "policy_kwargs": RNN_KWARGS},

@@ -7,6 +7,7 @@ action clipping, gSDE noise resampling).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,7 +26,7 @@ from sb3_speedups.errors import UserError
 class Actor(Protocol):
     """What the collection loop needs from an actor."""
 
-    def act(self, obs: Any) -> tuple[np.ndarray, th.Tensor, th.Tensor]: ...
+    def act(self, obs: Any, masks: np.ndarray | None = None) -> tuple[np.ndarray, th.Tensor, th.Tensor]: ...
 
     def predict_values(self, obs: Any) -> th.Tensor: ...
 
@@ -47,7 +48,7 @@ def record_step(
     Everything after one vectorised step: count it, call the callback, log episodes, bootstrap timeouts, store it.
 
     :param step_locals: the collection loop's locals (``callback.locals``): ``actions``, ``values``, ``log_probs``,
-        ``new_obs``, ``rewards``, ``dones``, ``infos`` of the step
+        ``new_obs``, ``rewards``, ``dones``, ``infos`` of the step, and ``action_masks`` (stored when not ``None``)
     :return: ``False`` when a callback stopped training (nothing is stored then, as in SB3)
     """
     model.num_timesteps += env.num_envs
@@ -59,6 +60,7 @@ def record_step(
     timeouts = bootstrap_timeouts(rewards, dones, infos, gamma, lambda envs, obs: actor.predict_values(obs))
     if timeouts is not None:
         rollout_buffer.add_timeouts(timeouts)
+    action_masks = step_locals.get("action_masks")
     rollout_buffer.add(
         model._last_obs,  # type: ignore[arg-type]
         step_locals["actions"],
@@ -66,6 +68,7 @@ def record_step(
         model._last_episode_starts,  # type: ignore[arg-type]
         step_locals["values"],
         step_locals["log_probs"],
+        **({} if action_masks is None else {"action_masks": action_masks}),
     )
     model._last_obs = step_locals["new_obs"]
     model._last_episode_starts = dones
@@ -80,6 +83,7 @@ def collect_rollout(
     n_rollout_steps: int,
     actor: Actor,
     gamma: float,
+    masks_of: Callable[[], np.ndarray] | None = None,
 ) -> bool:
     """
     Fill ``rollout_buffer`` with ``n_rollout_steps`` steps of every env and compute its advantages
@@ -92,12 +96,14 @@ def collect_rollout(
     :param n_rollout_steps: steps per env
     :param actor: acts for all envs at once
     :param gamma: discount of the timeout bootstrap
+    :param masks_of: returns the envs' current action masks (sb3-contrib's ``get_action_masks``), for masked acting
     :return: ``False`` when a callback stopped training
     """
     self = model  # callbacks may read ``locals()["self"]``, as in SB3's loop
     assert self._last_obs is not None, "No previous observation was provided"
     self.policy.set_training_mode(False)
     n_steps = 0
+    action_masks = None
     rollout_buffer.reset()
     if self.use_sde:
         actor.reset_noise(env.num_envs)
@@ -105,7 +111,9 @@ def collect_rollout(
     while n_steps < n_rollout_steps:
         if self.use_sde and self.sde_sample_freq > 0 and n_steps % self.sde_sample_freq == 0:
             actor.reset_noise(env.num_envs)
-        actions, values, log_probs = actor.act(self._last_obs)
+        if masks_of is not None:
+            action_masks = masks_of()
+        actions, values, log_probs = actor.act(self._last_obs, action_masks)
         clipped_actions = actor.env_actions(actions)
         new_obs, rewards, dones, infos = env.step(clipped_actions)
         if not record_step(self, env, callback, rollout_buffer, actor, gamma, locals()):

@@ -114,6 +114,16 @@ class MinibatchSampler:
         self.scalars = self._keep("scalars", scalars)
         self._prepared = False
 
+    def add_actions(self, actions: dict[str, th.Tensor]) -> None:
+        """
+        Add per-sample tensors to the loaded rollout's actions (e.g. action masks): gathered with them, and handed to
+        the update in :attr:`Minibatch.actions`.
+
+        :param actions: time-major tensors, first dimension ``n_steps * n_envs``
+        """
+        self.actions.update({k: self._keep(f"actions.{k}", v) for k, v in actions.items()})
+        self._prepared = False
+
     def _keep(self, name: str, source: th.Tensor) -> th.Tensor:
         if source.device == self.device:
             self._rollout[name] = source  # already there: no copy

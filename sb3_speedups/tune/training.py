@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stable_baselines3.common.callbacks import BaseCallback
-from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.vec_env import VecEnv, sync_envs_normalization
 
 from sb3_speedups.common.torch_utils import apply_num_threads, available_cpus
 from sb3_speedups.tune.interrupts import raise_if_interrupted
 from sb3_speedups.zoo.envs import is_atari, make_env
+from sb3_speedups.zoo.evaluation import evaluate
 from sb3_speedups.zoo.train import EVAL_SEED_OFFSET, TrainConfig, create_model, prepare_experiment
 from sb3_speedups.zoo.validation import accepted_kwargs
 
@@ -120,10 +120,7 @@ class EvalReportCallback(BaseCallback):
         sync_envs_normalization(self.training_env, self.eval_env)
         if len(self.returns) == len(self.points) - 1:
             self.eval_env.seed(self.eval_seed)
-        mean_return, _ = evaluate_policy(
-            self.model, self.eval_env, n_eval_episodes=self.n_eval_episodes, deterministic=self.deterministic, warn=False
-        )
-        mean_return = float(mean_return)  # type: ignore[arg-type]  # a float unless return_episode_rewards
+        mean_return, _ = evaluate(self.model, self.eval_env, self.n_eval_episodes, self.deterministic, warn=False)
         if not math.isfinite(mean_return):
             raise FloatingPointError(f"evaluation return is {mean_return} after {self.num_timesteps} steps")
         self.returns.append(mean_return)

@@ -20,7 +20,7 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize, sync_envs_nor
 from sb3_speedups.common.save_util import save_model, save_vecnormalize
 from sb3_speedups.common.torch_utils import apply_num_threads
 from sb3_speedups.errors import UserError
-from sb3_speedups.zoo.evaluation import evaluate
+from sb3_speedups.zoo.evaluation import evaluate, is_maskable
 from sb3_speedups.registry import get_algo
 from sb3_speedups.zoo import runs
 from sb3_speedups.zoo.callbacks import AtomicCheckpointCallback, PrintEvaluation, SaveBestModelCallback, StopOnSignal
@@ -190,6 +190,15 @@ def create_model(experiment: Experiment, env: VecEnv) -> BaseAlgorithm:
         raise UserError(f"invalid hyperparameters for {config.algo} on {config.env_id}: {message}") from None
 
 
+def eval_callback_class(algo_cls: type) -> type[EvalCallback]:
+    """:return: ``EvalCallback``, or sb3-contrib's ``MaskableEvalCallback`` (evaluates with action masks) for MaskablePPO"""
+    if is_maskable(algo_cls):
+        from sb3_contrib.common.maskable.callbacks import MaskableEvalCallback
+
+        return MaskableEvalCallback
+    return EvalCallback
+
+
 def make_callbacks(experiment: Experiment, run_dir: Path, eval_env: VecEnv | None) -> list[BaseCallback]:
     """
     :return: the YAML's callbacks, periodic evaluation (``best_model.zip``, ``evaluations.npz``) and checkpoints
@@ -198,7 +207,7 @@ def make_callbacks(experiment: Experiment, run_dir: Path, eval_env: VecEnv | Non
     callbacks: list[BaseCallback] = [cls(**kwargs) for cls, kwargs in experiment.hyperparams.callbacks]
     if eval_env is not None:
         callbacks.append(
-            EvalCallback(
+            eval_callback_class(experiment.algo_cls)(
                 eval_env,
                 n_eval_episodes=config.eval_episodes,
                 eval_freq=max(config.eval_freq // n_envs, 1),

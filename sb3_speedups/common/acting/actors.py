@@ -32,6 +32,7 @@ from sb3_speedups.common.acting.torch_mlp import TorchMlp
 from sb3_speedups.common.acting.numpy_actor import NumpyActorCritic
 from sb3_speedups.common.nn.actor_critic import flat_layout, parse_actor_critic
 from sb3_speedups.common.nn.heads import ActionHead, make_head
+from sb3_speedups.common.nn.heads.masked import mask_logits, mask_logits_numpy
 from sb3_speedups.common.nn.mlp import stack
 
 
@@ -163,18 +164,22 @@ class FrozenActorCritic:
         x = th.as_tensor(obs, device=self.device).float()
         return x if x.dim() == 2 else x.view(x.shape[0], -1)
 
-    def act(self, obs: np.ndarray) -> tuple[np.ndarray, th.Tensor, th.Tensor]:
+    def act(self, obs: np.ndarray, masks: np.ndarray | None = None) -> tuple[np.ndarray, th.Tensor, th.Tensor]:
         """
+        :param masks: allowed choices of categorical actions (sb3-contrib's action masks), or ``None``
         :return: sampled actions, values ``[n, 1]`` and log-probabilities ``[n]`` for a batch of observations (the
             copy's tensors never require gradients, so no autograd state is recorded without any grad-mode context)
         """
         if self._numpy is not None and isinstance(obs, np.ndarray) and self._numpy.accepts(obs.shape[0]):
             out, np_values = self._numpy.forward(obs)
+            if masks is not None:
+                out = mask_logits_numpy(out, masks)
             np_actions, log_prob = self.head.sample_numpy(out, self.log_std)
             return np_actions, th.from_numpy(np_values), log_prob
         latent_pi, latent_vf = self._latents(self._features(obs))
         values = self.value_net(latent_vf)
-        actions, log_prob = self.head.sample(self.action_net(latent_pi), self.log_std)
+        logits = self.action_net(latent_pi)
+        actions, log_prob = self.head.sample(logits if masks is None else mask_logits(logits, masks), self.log_std)
         return (actions if actions.device.type == "cpu" else actions.cpu()).numpy(), values, log_prob
 
     def predict_values(self, obs: np.ndarray) -> th.Tensor:
@@ -294,16 +299,26 @@ class ModuleActorCritic:
             self.mirror.sync()
 
     @th.inference_mode()
-    def act(self, obs: np.ndarray | dict[str, np.ndarray]) -> tuple[np.ndarray, th.Tensor, th.Tensor]:
-        """:return: sampled actions, values ``[n, 1]`` and log-probabilities ``[n]`` for a batch of observations"""
+    def act(
+        self, obs: np.ndarray | dict[str, np.ndarray], masks: np.ndarray | None = None
+    ) -> tuple[np.ndarray, th.Tensor, th.Tensor]:
+        """
+        :param masks: allowed choices of categorical actions (sb3-contrib's action masks), or ``None``
+        :return: sampled actions, values ``[n, 1]`` and log-probabilities ``[n]`` for a batch of observations
+        """
         obs_tensor = obs_as_tensor(obs, self.device)
         policy = self.policy
         if self.head is None:
+            if masks is not None:
+                raise ValueError(f"{type(policy).__name__} has no standard head to mask")
             actions, values, log_prob = policy(obs_tensor)
             return actions.cpu().numpy(), values, log_prob
         latent_pi, latent_vf = policy_latents(policy, obs_tensor)
         values = policy.value_net(latent_vf)
-        actions, log_prob = self.head.sample(policy.action_net(latent_pi), getattr(policy, "log_std", None))
+        out = policy.action_net(latent_pi)
+        actions, log_prob = self.head.sample(
+            out if masks is None else mask_logits(out, masks), getattr(policy, "log_std", None)
+        )
         return actions.cpu().numpy(), values, log_prob
 
     @th.inference_mode()

@@ -8,8 +8,11 @@ layout puts each policy layer next to its value twin, so that the pair is a plai
 
 from __future__ import annotations
 
+import sys
+
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import torch as th
 from stable_baselines3.common.policies import ActorCriticPolicy
@@ -53,12 +56,22 @@ def parse_actor_critic(policy: ActorCriticPolicy) -> ActorCritic | str:
     return ActorCritic(pi, vf, action, value, getattr(policy, "log_std", None))
 
 
+def _is_plain_policy(policy: nn.Module) -> TypeGuard[ActorCriticPolicy]:
+    """
+    :return: whether ``policy`` is SB3's ``ActorCriticPolicy`` itself, or sb3-contrib's ``MaskableActorCriticPolicy``
+        (the same networks and attributes, its own base class)
+    """
+    # looked up, not imported: a maskable policy exists only once sb3-contrib is loaded
+    maskable = sys.modules.get("sb3_contrib.common.maskable.policies")
+    return type(policy) is ActorCriticPolicy or (maskable is not None and type(policy) is maskable.MaskableActorCriticPolicy)
+
+
 def mlp_unsupported_reason(policy: nn.Module) -> str | None:
     """
     :param policy: an SB3 policy
     :return: why :class:`~sb3_speedups.common.nn.training.ActorCriticMlp` cannot run it, or ``None`` when it can
     """
-    if type(policy) is not ActorCriticPolicy:
+    if not _is_plain_policy(policy):
         return f"policy class {type(policy).__name__} is not the plain MlpPolicy (ActorCriticPolicy)"
     if not isinstance(policy.features_extractor, FlattenExtractor) or not isinstance(
         policy.vf_features_extractor, FlattenExtractor

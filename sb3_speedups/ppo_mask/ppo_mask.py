@@ -1,0 +1,187 @@
+"""
+MaskablePPO as in sb3-contrib, faster, on PPO's engine. What differs from stock, and why it is faster:
+
+- collection is PPO's (:func:`sb3_speedups.ppo.collection.collect_rollout`): one batched call of a frozen copy of the
+  policy per vectorised step, with the envs' action masks (sb3-contrib's ``get_action_masks``) applied to the logits
+  as sb3-contrib does (:mod:`sb3_speedups.common.nn.heads.masked`), into a buffer allocated once that also keeps the
+  masks (:class:`~sb3_speedups.ppo_mask.buffers.FastMaskableRolloutBuffer`);
+- ``train()`` is PPO's: one shuffle per epoch, the masks gathered with the actions, the hand-derived update
+  (:class:`~sb3_speedups.ppo.update.HandDerivedPPOUpdate`) with the masked categorical head, fused Adam, optionally
+  split over two processes or replayed from a CUDA graph;
+- anything else (CNN or ``Dict`` observations, custom policies or buffers, another optimizer) runs sb3-contrib's own
+  code, unchanged.
+
+Saved files are sb3-contrib's (the speed-only state is not saved): each package loads the other's.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import sb3_contrib
+from gymnasium import spaces
+from sb3_contrib.common.maskable.buffers import MaskableRolloutBuffer
+from sb3_contrib.common.maskable.utils import get_action_masks, is_masking_supported
+from stable_baselines3.common.buffers import RolloutBuffer
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.preprocessing import is_image_space
+from stable_baselines3.common.vec_env import VecEnv
+
+from sb3_speedups.common.acting.actors import FrozenActorCritic
+from sb3_speedups.common.nn.heads.masked import make_masked_head
+from sb3_speedups.common.nn.optim import adam_unsupported_reason
+from sb3_speedups.common.nn.training import mlp_unsupported_reason
+from sb3_speedups.common.torch_utils import apply_num_threads
+from sb3_speedups.errors import UserValueError
+from sb3_speedups.ppo.collection import collect_rollout
+from sb3_speedups.ppo.minibatches import MinibatchSampler
+from sb3_speedups.ppo.ppo import PPO, _Speedups
+from sb3_speedups.ppo.split_update import SplitPPOUpdate
+from sb3_speedups.ppo.update import HandDerivedPPOUpdate
+from sb3_speedups.ppo_mask.buffers import FastMaskableRolloutBuffer
+
+
+class MaskablePPO(sb3_contrib.MaskablePPO):
+    """
+    PPO with invalid-action masking, a drop-in for :class:`sb3_contrib.MaskablePPO` (same arguments, ``learn`` with
+    ``use_masking``, ``predict`` with ``action_masks``, saved files); see :class:`sb3_contrib.MaskablePPO` for every
+    argument not listed here.
+
+    :param num_threads: torch CPU threads; ``None`` keeps a value the user set, else uses the package default (1)
+    :param inference_device: where collection acts, from a copy of the policy synced once per rollout; ``"auto"``
+        acts on the training device
+    :param fast_update: use PPO's hand-derived update for MLP policies (``False``: sb3-contrib's own code throughout)
+    :param cuda_graphs: on a CUDA ``device``, replay the epochs from a CUDA graph (as :class:`sb3_speedups.PPO`)
+    :param split_update: run the critic's half of each minibatch update in a helper process (as
+        :class:`sb3_speedups.PPO`): ``True``, ``False`` or ``"auto"``; off by default: masking problems are
+        mostly collection-bound (env and mask calls), where the helper's per-update handshakes cost more than they save
+    """
+
+    # PPO's engine, used as it is (typed Any: mypy binds them to PPO): these read only attributes that both classes
+    # have, as PPO.train (called by train below) does.
+    _close_speedups: Any = PPO._close_speedups
+    _inference_device: Any = PPO._inference_device
+    _sampler: Any = PPO._sampler
+    _observation_spaces: Any = PPO._observation_spaces
+    _recompute_advantages: Any = PPO._recompute_advantages
+    _run_epochs: Any = PPO._run_epochs
+    _minibatch_updates: Any = PPO._minibatch_updates
+    _graphed_epochs: Any = PPO._graphed_epochs
+    split_update_unsupported_reason: Any = PPO.split_update_unsupported_reason
+
+    def __init__(
+        self,
+        policy: Any,
+        env: Any,
+        *,
+        num_threads: int | None = None,
+        inference_device: str = "cpu",
+        fast_update: bool = True,
+        cuda_graphs: bool = True,
+        split_update: bool | str = False,
+        _init_setup_model: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        if split_update not in (True, False, "auto"):
+            raise UserValueError(f"split_update={split_update!r} is invalid: use True, False or 'auto'")
+        super().__init__(policy, env, _init_setup_model=False, **kwargs)
+        self.num_threads = num_threads
+        self.inference_device = inference_device
+        self.fast_update = fast_update
+        self.cuda_graphs = cuda_graphs
+        self.split_update = split_update
+        self.recompute_advantages = False  # PPO's epoch loop asks
+        self._speedups: _Speedups | None = None
+        self._fallback_reason: str | None = None  # the last one printed
+        if _init_setup_model:
+            self._setup_model()
+
+    def _setup_model(self) -> None:
+        self._close_speedups()
+        apply_num_threads(self.num_threads)
+        super()._setup_model()
+        if self.rollout_buffer_class is MaskableRolloutBuffer:
+            # The stock class name stays in rollout_buffer_class, so saved files load where this package is absent.
+            self.rollout_buffer = FastMaskableRolloutBuffer(
+                self.n_steps,
+                self.observation_space,
+                self.action_space,
+                device=self.device,
+                gamma=self.gamma,
+                gae_lambda=self.gae_lambda,
+                n_envs=self.n_envs,
+                **self.rollout_buffer_kwargs,
+            )
+        self._speedups = None
+
+    def _excluded_save_params(self) -> list[str]:
+        return [*super()._excluded_save_params(), "_speedups", "_fallback_reason"]
+
+    # ----- speed-only state ---------------------------------------------------------------------------------------
+
+    def fast_path_unsupported_reason(self) -> str | None:
+        """:return: why this model runs sb3-contrib's own collection and update, or ``None`` when it runs ours"""
+        if not self.fast_update:
+            return "fast_update=False"
+        if not isinstance(self.rollout_buffer, FastMaskableRolloutBuffer):
+            return f"rollout buffer {type(self.rollout_buffer).__name__} is not the default MaskableRolloutBuffer"
+        space = self.observation_space
+        if not isinstance(space, spaces.Box) or is_image_space(space):
+            return f"observation space {type(space).__name__} is not a flat Box"
+        reason = mlp_unsupported_reason(self.policy)
+        if reason is None and make_masked_head(self.policy.action_dist) is None:
+            reason = f"action distribution {type(self.policy.action_dist).__name__} has no masked head"
+        return reason or adam_unsupported_reason(self.policy.optimizer, list(self.policy.parameters()))
+
+    def _ensure_speedups(self) -> _Speedups | None:
+        """:return: the fast path's state (built when missing or stale), or ``None`` where sb3-contrib's code runs"""
+        speed = self._speedups
+        if speed is not None and speed.updater.policy is self.policy and speed.updater.is_bound():
+            return speed
+        self._close_speedups()
+        self._speedups = None
+        reason = self.fast_path_unsupported_reason()
+        if reason is not None:
+            if self.verbose >= 1 and reason != self._fallback_reason:
+                print(f"sb3_speedups MaskablePPO: using sb3-contrib's code ({reason})")
+            self._fallback_reason = reason
+            return None
+        head = make_masked_head(self.policy.action_dist)
+        assert head is not None
+        policy: Any = self.policy  # a MaskableActorCriticPolicy: the same networks as an ActorCriticPolicy
+        split = self.split_update_unsupported_reason() is None
+        updater = SplitPPOUpdate(policy, head) if split else HandDerivedPPOUpdate(policy, head)
+        self._speedups = _Speedups(updater, FrozenActorCritic(policy, head, self._inference_device()), None)
+        return self._speedups
+
+    # ----- collection and update ----------------------------------------------------------------------------------
+
+    def collect_rollouts(
+        self,
+        env: VecEnv,
+        callback: BaseCallback,
+        rollout_buffer: RolloutBuffer,
+        n_rollout_steps: int,
+        use_masking: bool = True,
+    ) -> bool:
+        speed = self._ensure_speedups()
+        if speed is None or not isinstance(rollout_buffer, FastMaskableRolloutBuffer):
+            return super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps, use_masking)
+        if use_masking and not is_masking_supported(env):
+            raise ValueError("Environment does not support action masking. Consider using ActionMasker wrapper")
+        speed.actor.sync()
+        masks_of = partial(get_action_masks, env) if use_masking else None
+        return collect_rollout(self, env, callback, rollout_buffer, n_rollout_steps, speed.actor, self.gamma, masks_of)
+
+    def _load_rollout(self, speed: _Speedups, sampler: MinibatchSampler) -> None:
+        """PPO's, plus the rollout's masks as one more per-sample action tensor (gathered with the actions)."""
+        PPO._load_rollout(self, speed, sampler)  # type: ignore[arg-type]
+        assert isinstance(self.rollout_buffer, FastMaskableRolloutBuffer)
+        sampler.add_actions({"masks": self.rollout_buffer.flat("action_masks").bool()})
+
+    def train(self) -> None:
+        """sb3-contrib's update computed by PPO's engine (same loss, minibatches, ``target_kl`` and logs)."""
+        if self._ensure_speedups() is None:
+            return super().train()
+        PPO.train(self)  # type: ignore[arg-type]
