@@ -1,0 +1,109 @@
+"""
+The training pass of a GRU over padded sequences, with its backward derived by hand.
+
+torch's CPU GRU (``nn.GRU``) records every gate operation of every time step for autograd, so its backward replays
+hundreds of tiny kernels per sequence; its LSTM has a fused kernel. Here one layer's forward is one input projection
+for all time steps, then per step one recurrent product and the gate arithmetic in the order ``nn.GRU`` does it
+(``torch.gru_cell``); the backward runs the time loop once over gate derivatives precomputed for all steps, and the
+weight gradients are one product each over all steps. The parameters stay the module's (``weight_ih_l0``, ...), so
+models save and load as before. Gate maths: docs/maths.md ("GRU").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch as th
+from torch import nn
+
+
+def gru_unsupported_reason(rnn: nn.GRU, sequence: th.Tensor) -> str | None:
+    """:return: why :func:`gru_sequence` hands ``rnn`` to ``nn.GRU`` itself, or ``None`` when it runs it"""
+    if sequence.device.type != "cpu":
+        return "not on the CPU (the accelerator's GRU kernels are fused)"
+    if rnn.batch_first or rnn.bidirectional or not rnn.bias:
+        return "not a plain unidirectional GRU with biases"
+    if rnn.dropout > 0.0 and rnn.training:
+        return "dropout between layers"
+    if sequence.dtype != th.float32 or any(p.dtype != th.float32 for p in rnn.parameters()):
+        return "not float32"
+    return None
+
+
+def gru_sequence(rnn: nn.GRU, sequence: th.Tensor, h0: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
+    """
+    ``rnn(sequence, h0)`` with :class:`GruLayer` for each layer where :func:`gru_unsupported_reason` allows.
+
+    :param rnn: the GRU (not batch-first)
+    :param sequence: ``(seq_len, n_seq, input_size)``
+    :param h0: ``(n_layers, n_seq, hidden)``
+    :return: the outputs ``(seq_len, n_seq, hidden)`` and the final states ``(n_layers, n_seq, hidden)``
+    """
+    if gru_unsupported_reason(rnn, sequence) is not None:
+        return rnn(sequence, h0)
+    out, finals = sequence, []
+    for layer in range(rnn.num_layers):
+        weights = [getattr(rnn, f"{name}_l{layer}") for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+        out = GruLayer.apply(out, h0[layer], *weights)
+        finals.append(out[-1])
+    return out, th.stack(finals)
+
+
+class GruLayer(th.autograd.Function):
+    """One GRU layer over ``(seq_len, n, input)`` from ``h0`` ``(n, hidden)``: the outputs, with a hand-derived backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: th.Tensor, h0: th.Tensor, w_ih: th.Tensor, w_hh: th.Tensor, b_ih: th.Tensor, b_hh: th.Tensor
+    ) -> th.Tensor:
+        seq_len, n, _ = x.shape
+        hidden = w_hh.shape[1]
+        h2 = 2 * hidden
+        gi = th.addmm(b_ih, x.reshape(seq_len * n, -1), w_ih.t()).view(seq_len, n, 3 * hidden)
+        # Per step: what the recurrent product adds to (r, z: input part and both biases; n: its recurrent bias),
+        # then, in place, r and z and n's recurrent pre-activation, kept for the backward.
+        gates = th.cat([gi[..., :h2] + b_hh[:h2], b_hh[h2:].expand(seq_len, n, hidden)], dim=2)
+        new = x.new_empty((seq_len, n, hidden))
+        out = x.new_empty((seq_len, n, hidden))
+        w_hh_t, h = w_hh.t().contiguous(), h0
+        for gates_t, gi_t, new_t, out_t in zip(gates.unbind(0), gi.unbind(0), new.unbind(0), out.unbind(0), strict=True):
+            gates_t.addmm_(h, w_hh_t)
+            gates_t[:, :h2].sigmoid_()
+            r, z = gates_t[:, :hidden], gates_t[:, hidden:h2]
+            th.addcmul(gi_t[:, h2:], gates_t[:, h2:], r, out=new_t).tanh_()
+            h = th.lerp(new_t, h, z, out=out_t)  # (1 - z) * n + z * h
+        ctx.save_for_backward(x, h0, w_ih, w_hh, out)
+        ctx.gates, ctx.new = gates, new
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: th.Tensor) -> tuple[th.Tensor | None, ...]:  # type: ignore[override]
+        x, h0, w_ih, w_hh, out = ctx.saved_tensors
+        seq_len, n, hidden = out.shape
+        h2, rows = 2 * hidden, seq_len * n
+        gates = ctx.gates.view(rows, 3 * hidden)
+        r, z, gh_n, new = gates[:, :hidden], gates[:, hidden:h2], gates[:, h2:], ctx.new.view(rows, hidden)
+        h_prev = th.cat([h0.unsqueeze(0), out[:-1]]).view(rows, hidden)
+        d_new = (1.0 - z) * (1.0 - new * new)
+        # d(recurrent pre-activations r, z, n of step t) = d(out_t) * slope; the slopes of all steps at once
+        slope = th.stack([d_new * gh_n * r * (1.0 - r), (h_prev - new) * z * (1.0 - z), d_new * r], dim=1)
+        d_gh = th.empty_like(slope)
+        # d_states[t + 1]: d(loss)/d(out_t), through every later step once the loop has passed t; d_states[0]: d/d(h0)
+        d_states = th.cat([grad_out.new_zeros((1, n, hidden)), grad_out])
+        d_steps, d_steps_3 = d_states.unbind(0), d_states.unsqueeze(2).unbind(0)
+        steps = zip(
+            slope.view(seq_len, n, 3, hidden).unbind(0),
+            z.reshape(seq_len, n, hidden).unbind(0),
+            d_gh.view(seq_len, n, 3, hidden).unbind(0),
+            d_gh.view(seq_len, n, 3 * hidden).unbind(0),
+            strict=True,
+        )
+        for t, (slope_t, z_t, d_gh_t, d_gh_rows) in reversed(list(enumerate(steps))):
+            th.mul(d_steps_3[t + 1], slope_t, out=d_gh_t)
+            d_steps[t].addcmul_(d_steps[t + 1], z_t).addmm_(d_gh_rows, w_hh)
+        flat_gh = d_gh.view(rows, 3 * hidden)
+        flat_gi = flat_gh.clone()
+        th.mul(d_states[1:].view(rows, hidden), d_new, out=flat_gi[:, h2:])
+        flat_x = x.reshape(rows, -1)
+        d_x = (flat_gi @ w_ih).view(x.shape) if ctx.needs_input_grad[0] else None
+        return d_x, d_steps[0], flat_gi.t() @ flat_x, flat_gh.t() @ h_prev, flat_gi.sum(0), flat_gh.sum(0)
