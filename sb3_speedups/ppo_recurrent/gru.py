@@ -66,12 +66,23 @@ class GruLayer(th.autograd.Function):
         new = x.new_empty((seq_len, n, hidden))
         out = x.new_empty((seq_len, n, hidden))
         w_hh_t, h = w_hh.t().contiguous(), h0
-        for gates_t, gi_t, new_t, out_t in zip(gates.unbind(0), gi.unbind(0), new.unbind(0), out.unbind(0), strict=True):
+        # every step's views made in a few calls: slicing inside the loop costs as much as the arithmetic
+        steps = zip(
+            gates.unbind(0),
+            gates[..., :h2].unbind(0),
+            gates[..., :hidden].unbind(0),
+            gates[..., hidden:h2].unbind(0),
+            gates[..., h2:].unbind(0),
+            gi[..., h2:].unbind(0),
+            new.unbind(0),
+            out.unbind(0),
+            strict=True,
+        )
+        for gates_t, rz_t, r_t, z_t, gh_n_t, gi_n_t, new_t, out_t in steps:
             gates_t.addmm_(h, w_hh_t)
-            gates_t[:, :h2].sigmoid_()
-            r, z = gates_t[:, :hidden], gates_t[:, hidden:h2]
-            th.addcmul(gi_t[:, h2:], gates_t[:, h2:], r, out=new_t).tanh_()
-            h = th.lerp(new_t, h, z, out=out_t)  # (1 - z) * n + z * h
+            rz_t.sigmoid_()
+            th.addcmul(gi_n_t, gh_n_t, r_t, out=new_t).tanh_()
+            h = th.lerp(new_t, h, z_t, out=out_t)  # (1 - z) * n + z * h
         ctx.save_for_backward(x, h0, w_ih, w_hh, out)
         ctx.gates, ctx.new = gates, new
         return out
@@ -84,9 +95,12 @@ class GruLayer(th.autograd.Function):
         gates = ctx.gates.view(rows, 3 * hidden)
         r, z, gh_n, new = gates[:, :hidden], gates[:, hidden:h2], gates[:, h2:], ctx.new.view(rows, hidden)
         h_prev = th.cat([h0.unsqueeze(0), out[:-1]]).view(rows, hidden)
-        d_new = (1.0 - z) * (1.0 - new * new)
+        d_new = (1.0 - z).mul_(1.0 - new * new)
         # d(recurrent pre-activations r, z, n of step t) = d(out_t) * slope; the slopes of all steps at once
-        slope = th.stack([d_new * gh_n * r * (1.0 - r), (h_prev - new) * z * (1.0 - z), d_new * r], dim=1)
+        slope = gates.new_empty((rows, 3, hidden))
+        th.mul(d_new, gh_n, out=slope[:, 0]).mul_(r).mul_(1.0 - r)
+        th.sub(h_prev, new, out=slope[:, 1]).mul_(z).mul_(1.0 - z)
+        th.mul(d_new, r, out=slope[:, 2])
         d_gh = th.empty_like(slope)
         # d_states[t + 1]: d(loss)/d(out_t), through every later step once the loop has passed t; d_states[0]: d/d(h0)
         d_states = th.cat([grad_out.new_zeros((1, n, hidden)), grad_out])
