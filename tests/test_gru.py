@@ -22,7 +22,9 @@ def _outputs_and_gradients(run, rnn: nn.GRU, x: th.Tensor, h0: th.Tensor) -> lis
     return [out, h_n, *th.autograd.grad(loss, [x, h0, *rnn.parameters()])]
 
 
-@pytest.mark.parametrize(("num_layers", "input_size", "hidden", "seq_len", "n"), [(1, 2, 64, 32, 12), (1, 3, 8, 1, 5), (2, 4, 16, 9, 3)])
+@pytest.mark.parametrize(
+    ("num_layers", "input_size", "hidden", "seq_len", "n"), [(1, 2, 64, 32, 12), (1, 3, 8, 1, 5), (2, 4, 16, 9, 3)]
+)
 def test_gru_sequence_equals_nn_gru(num_layers: int, input_size: int, hidden: int, seq_len: int, n: int) -> None:
     th.manual_seed(0)
     rnn = nn.GRU(input_size, hidden, num_layers=num_layers)
@@ -85,3 +87,39 @@ def test_gru_sequence_hands_other_configurations_to_nn_gru() -> None:
     out, h_n = gru_sequence(rnn, x, th.zeros(1, 2, 4))
     expected, expected_h = rnn(x, th.zeros(1, 2, 4))
     assert th.equal(out, expected) and th.equal(h_n, expected_h)
+
+
+def test_first_train_of_recurrent_ppo_gru_within_1e_6_of_nn_gru(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rollout and one train() of the RL Zoo's CartPoleNoVel-v1 config: the same parameters as with nn.GRU, up to
+    rounding (the collection is the same either way; only the training pass's op order differs)."""
+    from stable_baselines3.common.env_util import make_vec_env
+
+    import sb3_speedups.envs  # noqa: F401  (registers CartPoleNoVel-v1)
+    from sb3_speedups import RecurrentPPO
+    from sb3_speedups.ppo_recurrent import policies
+
+    def first_train() -> dict[str, th.Tensor]:
+        model = RecurrentPPO(
+            "MlpGruPolicy",
+            make_vec_env("CartPoleNoVel-v1", n_envs=8, seed=0),
+            n_steps=32,
+            batch_size=256,
+            gae_lambda=0.8,
+            gamma=0.98,
+            n_epochs=20,
+            ent_coef=0.0,
+            learning_rate=1e-3,
+            policy_kwargs=dict(ortho_init=False, activation_fn=nn.ReLU, lstm_hidden_size=64, net_arch=dict(pi=[64], vf=[64])),
+            seed=0,
+        )
+        model.learn(256)
+        return {name: p.detach().clone() for name, p in model.policy.named_parameters()}
+
+    ours = first_train()
+    monkeypatch.setattr(policies, "gru_sequence", lambda rnn, sequence, h0: rnn(sequence, h0))
+    reference = first_train()
+    assert ours.keys() == reference.keys()
+    differences = {name: float((ours[name] - reference[name]).abs().max()) for name in ours}
+    print("max difference after the first train():", max(differences.values()))
+    assert max(differences.values()) <= 1e-6, differences
+    assert any(name.startswith("lstm_actor.weight_hh") for name in ours)  # the nn.GRU parameters, as sb3-contrib saves them
