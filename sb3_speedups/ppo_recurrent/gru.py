@@ -1,12 +1,15 @@
 """
 The training pass of a GRU over padded sequences, with its backward derived by hand.
 
-torch's CPU GRU (``nn.GRU``) records every gate operation of every time step for autograd, so its backward replays
-hundreds of tiny kernels per sequence; its LSTM has a fused kernel. Here one layer's forward is one input projection
-for all time steps, then per step one recurrent product and the gate arithmetic in the order ``nn.GRU`` does it
-(``torch.gru_cell``); the backward runs the time loop once over gate derivatives precomputed for all steps, and the
-weight gradients are one product each over all steps. The parameters stay the module's (``weight_ih_l0``, ...), so
-models save and load as before. Gate maths: docs/maths.md ("GRU").
+torch's CPU ``nn.GRU`` runs each time step as separate gate operations that autograd records one by one, so its
+backward replays hundreds of tiny kernels per sequence (its LSTM has one fused kernel). Here a layer's forward is one
+input projection for all steps, then per step one in-place recurrent product and four in-place gate operations; the
+backward derives every gate slope for all steps at once from the kept gates, runs the time loop with one product and
+one multiply per step, and computes each weight gradient as one product over all steps. With ``r, z`` the reset and
+update gates, ``n = tanh(gi_n + r * gh_n)`` and ``h_t = (1 - z) * n + z * h_{t-1}``:
+``dh_{t-1} = z * dh_t + [dh_t * slope] @ W_hh`` with ``slope = [(1 - z)(1 - n^2) gh_n r(1 - r), (h_{t-1} - n) z(1 - z),
+(1 - z)(1 - n^2) r]``. Results equal ``nn.GRU``'s up to float rounding; the parameters stay the module's, so saved
+models are unchanged.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ def gru_unsupported_reason(rnn: nn.GRU, sequence: th.Tensor) -> str | None:
         return "not a plain unidirectional GRU with biases"
     if rnn.dropout > 0.0 and rnn.training:
         return "dropout between layers"
-    if sequence.dtype != th.float32 or any(p.dtype != th.float32 for p in rnn.parameters()):
+    if sequence.dtype != th.float32 or any(w is None or w.dtype != th.float32 for w in rnn._flat_weights):
         return "not float32"
     return None
 
@@ -96,26 +99,28 @@ class GruLayer(th.autograd.Function):
         r, z, gh_n, new = gates[:, :hidden], gates[:, hidden:h2], gates[:, h2:], ctx.new.view(rows, hidden)
         h_prev = th.cat([h0.unsqueeze(0), out[:-1]]).view(rows, hidden)
         d_new = (1.0 - z).mul_(1.0 - new * new)
-        # d(recurrent pre-activations r, z, n of step t) = d(out_t) * slope; the slopes of all steps at once
-        slope = gates.new_empty((rows, 3, hidden))
+        # d(recurrent pre-activations r, z, n of step t) = d(out_t) * slope, and d(out_t)/d(h_{t-1}) outside the
+        # recurrent product is z: [slope_r, slope_z, slope_n, z] times [W_hh; I] is one product per step.
+        slope = gates.new_empty((rows, 4, hidden))
         th.mul(d_new, gh_n, out=slope[:, 0]).mul_(r).mul_(1.0 - r)
         th.sub(h_prev, new, out=slope[:, 1]).mul_(z).mul_(1.0 - z)
         th.mul(d_new, r, out=slope[:, 2])
+        slope[:, 3] = z
+        w_hh_eye = th.cat([w_hh, th.eye(hidden, dtype=w_hh.dtype, device=w_hh.device)])
         d_gh = th.empty_like(slope)
         # d_states[t + 1]: d(loss)/d(out_t), through every later step once the loop has passed t; d_states[0]: d/d(h0)
         d_states = th.cat([grad_out.new_zeros((1, n, hidden)), grad_out])
-        d_steps, d_steps_3 = d_states.unbind(0), d_states.unsqueeze(2).unbind(0)
+        d_steps, d_steps_4 = d_states.unbind(0), d_states.unsqueeze(2).unbind(0)
         steps = zip(
-            slope.view(seq_len, n, 3, hidden).unbind(0),
-            z.reshape(seq_len, n, hidden).unbind(0),
-            d_gh.view(seq_len, n, 3, hidden).unbind(0),
-            d_gh.view(seq_len, n, 3 * hidden).unbind(0),
+            slope.view(seq_len, n, 4, hidden).unbind(0),
+            d_gh.view(seq_len, n, 4, hidden).unbind(0),
+            d_gh.view(seq_len, n, 4 * hidden).unbind(0),
             strict=True,
         )
-        for t, (slope_t, z_t, d_gh_t, d_gh_rows) in reversed(list(enumerate(steps))):
-            th.mul(d_steps_3[t + 1], slope_t, out=d_gh_t)
-            d_steps[t].addcmul_(d_steps[t + 1], z_t).addmm_(d_gh_rows, w_hh)
-        flat_gh = d_gh.view(rows, 3 * hidden)
+        for t, (slope_t, d_gh_t, d_gh_rows) in reversed(list(enumerate(steps))):
+            th.mul(d_steps_4[t + 1], slope_t, out=d_gh_t)
+            d_steps[t].addmm_(d_gh_rows, w_hh_eye)
+        flat_gh = d_gh[:, :3].reshape(rows, 3 * hidden)
         flat_gi = flat_gh.clone()
         th.mul(d_states[1:].view(rows, hidden), d_new, out=flat_gi[:, h2:])
         flat_x = x.reshape(rows, -1)
