@@ -18,6 +18,7 @@ from typing import Any
 
 import torch as th
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 
 def gru_unsupported_reason(rnn: nn.GRU, sequence: th.Tensor) -> str | None:
@@ -91,6 +92,7 @@ class GruLayer(th.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad_out: th.Tensor) -> tuple[th.Tensor | None, ...]:  # type: ignore[override]
         x, h0, w_ih, w_hh, out = ctx.saved_tensors
         seq_len, n, hidden = out.shape
