@@ -16,6 +16,8 @@ from sb3_contrib.common.recurrent import policies as contrib
 from stable_baselines3.common.type_aliases import Schedule
 from torch import nn
 
+from sb3_speedups.ppo_recurrent.gru import gru_sequence
+
 RNN_TYPES = ("lstm", "gru")
 
 
@@ -43,7 +45,7 @@ def process_sequence(
         return th.stack(outputs, dim=1).flatten(0, 1), states
     keep = (1.0 - starts[0]).view(1, n_seq, 1)
     if isinstance(rnn, nn.GRU):
-        output, hidden = rnn(sequence, keep * states[0])
+        output, hidden = gru_sequence(rnn, sequence, keep * states[0])
         new_states = (hidden, states[1])
     else:
         output, new_states = rnn(sequence, (keep * states[0], keep * states[1]))

@@ -3,7 +3,8 @@ RecurrentPPO as in sb3-contrib, faster. What differs from stock, and why it is f
 
 - the policies (:mod:`sb3_speedups.ppo_recurrent.policies`) run each padded training sequence through one
   LSTM/GRU call instead of sb3-contrib's Python loop over time steps whenever an episode starts in a sequence;
-- GRU policies (``MlpGruPolicy``, ... or ``policy_kwargs=dict(rnn_type="gru")``) are available;
+- GRU policies (``MlpGruPolicy``, ... or ``policy_kwargs=dict(rnn_type="gru")``) are available; on the CPU their
+  training pass has a hand-derived backward (:mod:`sb3_speedups.ppo_recurrent.gru`) instead of torch's per-gate autograd;
 - collection runs the standard policy as one plain-tensor pass per vectorised step under ``inference_mode``
   (:mod:`sb3_speedups.ppo_recurrent.collection`), same samples for the same seed; other policies use sb3-contrib's;
 - the rollout buffer pads each minibatch's sequences with one gather (:mod:`sb3_speedups.ppo_recurrent.buffers`)
