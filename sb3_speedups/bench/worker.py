@@ -16,7 +16,7 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.vec_env import VecEnv, sync_envs_normalization
 
 from sb3_speedups.bench.memory import PeakMemory
-from sb3_speedups.zoo.evaluation import evaluate
+from sb3_speedups.zoo.evaluation import EVAL_SEED_OFFSET, evaluate
 
 # Variants: ours (our class, its own defaults), stock (stock class, torch defaults), stock-1t (stock class with
 # 1 torch thread and fused Adam: the best a user gets from stock SB3 by configuration alone). A variant may name the
@@ -138,7 +138,7 @@ def run(bench: BenchRun) -> dict[str, Any]:
     hp = experiment.hyperparams
     with PeakMemory() as memory:
         env = make_env(bench.env_id, hp, hp.n_envs, bench.seed, vec_env=bench.vec_env)
-        eval_env = make_env(bench.env_id, hp, 1, bench.seed + 1000, eval_env=True)
+        eval_env = make_env(bench.env_id, hp, 1, bench.seed + EVAL_SEED_OFFSET, eval_env=True)
         try:
             model = create_model(experiment, env)
             if variant == "stock-1t":

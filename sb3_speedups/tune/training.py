@@ -16,8 +16,8 @@ from stable_baselines3.common.vec_env import VecEnv, sync_envs_normalization
 from sb3_speedups.common.torch_utils import apply_num_threads, available_cpus
 from sb3_speedups.tune.interrupts import raise_if_interrupted
 from sb3_speedups.zoo.envs import is_atari, make_env
-from sb3_speedups.zoo.evaluation import evaluate
-from sb3_speedups.zoo.train import EVAL_SEED_OFFSET, TrainConfig, create_model, prepare_experiment
+from sb3_speedups.zoo.evaluation import EVAL_SEED_OFFSET, evaluate
+from sb3_speedups.zoo.train import TrainConfig, create_model, prepare_experiment
 from sb3_speedups.zoo.validation import accepted_kwargs
 
 # (evaluation number from 1, mean return) -> whether to keep training

@@ -8,6 +8,9 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.vec_env import VecEnv
 
+# The evaluation env's seed is the run's plus this (its episodes differ from the training env's).
+EVAL_SEED_OFFSET = 1000
+
 
 def is_maskable(algo_cls: type) -> bool:
     """:return: whether ``algo_cls`` is sb3-contrib's ``MaskablePPO`` (or ours): it acts on the envs' action masks"""

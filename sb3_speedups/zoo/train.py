@@ -20,17 +20,13 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize, sync_envs_nor
 from sb3_speedups.common.save_util import save_model, save_vecnormalize
 from sb3_speedups.common.torch_utils import apply_num_threads
 from sb3_speedups.errors import UserError
-from sb3_speedups.zoo.evaluation import evaluate, is_maskable
+from sb3_speedups.zoo.evaluation import EVAL_SEED_OFFSET, evaluate, is_maskable
 from sb3_speedups.registry import get_algo
 from sb3_speedups.zoo import runs
 from sb3_speedups.zoo.callbacks import AtomicCheckpointCallback, PrintEvaluation, SaveBestModelCallback, StopOnSignal
 from sb3_speedups.zoo.envs import check_env_id, is_atari, make_env
 from sb3_speedups.zoo.hyperparams import Hyperparams, preprocess_hyperparams, read_hyperparams
 from sb3_speedups.zoo.validation import validate_model_kwargs
-
-
-# The evaluation env's seed is the run's plus this (its episodes differ from the training env's).
-EVAL_SEED_OFFSET = 1000
 
 
 @dataclass
