@@ -200,3 +200,29 @@ def test_dict_observations_run_sb3_contrib_code() -> None:
     assert model._speedups is None and "MaskableDictRolloutBuffer" in str(model.fast_path_unsupported_reason())
     masks = model.rollout_buffer.action_masks.reshape(-1, 20)
     assert not masks.all() and model.num_timesteps == 64
+
+
+def test_masks_reader_equals_get_action_masks() -> None:
+    """In-process envs (bare, under a VecEnv wrapper, through ActionMasker) use the cached lookups; others ask."""
+    from sb3_contrib.common.maskable.utils import get_action_masks
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    from sb3_speedups.ppo_mask.masks import _in_process_envs, masks_reader
+
+    def masker() -> gym.Env:
+        return ActionMasker(gym.make("CartPole-v1"), lambda e: np.array([e.unwrapped.state[0] > 0, True]))
+
+    for env in (vec_env("knapsack"), VecNormalize(vec_env("multidiscrete")), make_vec_env(masker, n_envs=3, seed=0)):
+        assert _in_process_envs(env) is not None
+        read = masks_reader(env)
+        env.reset()
+        env.action_space.seed(0)
+        for _ in range(12):
+            np.testing.assert_array_equal(read(), get_action_masks(env))
+            env.step(np.array([env.action_space.sample() for _ in range(env.num_envs)]))
+
+    class Redirecting(VecNormalize):
+        def env_method(self, method_name, *args, indices=None, **kwargs):  # type: ignore[no-untyped-def]
+            return super().env_method(method_name, *args, indices=indices, **kwargs)
+
+    assert _in_process_envs(Redirecting(vec_env("discrete"))) is None

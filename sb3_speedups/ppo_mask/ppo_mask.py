@@ -16,13 +16,12 @@ Saved files are sb3-contrib's (the speed-only state is not saved): each package 
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import sb3_contrib
 from gymnasium import spaces
 from sb3_contrib.common.maskable.buffers import MaskableRolloutBuffer
-from sb3_contrib.common.maskable.utils import get_action_masks, is_masking_supported
+from sb3_contrib.common.maskable.utils import is_masking_supported
 from stable_baselines3.common.buffers import RolloutBuffer
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.preprocessing import is_image_space
@@ -40,6 +39,7 @@ from sb3_speedups.ppo.ppo import PPO, _Speedups
 from sb3_speedups.ppo.split_update import SplitPPOUpdate
 from sb3_speedups.ppo.update import HandDerivedPPOUpdate
 from sb3_speedups.ppo_mask.buffers import FastMaskableRolloutBuffer
+from sb3_speedups.ppo_mask.masks import masks_reader
 
 
 class MaskablePPO(sb3_contrib.MaskablePPO):
@@ -171,7 +171,7 @@ class MaskablePPO(sb3_contrib.MaskablePPO):
         if use_masking and not is_masking_supported(env):
             raise ValueError("Environment does not support action masking. Consider using ActionMasker wrapper")
         speed.actor.sync()
-        masks_of = partial(get_action_masks, env) if use_masking else None
+        masks_of = masks_reader(env) if use_masking else None
         return collect_rollout(self, env, callback, rollout_buffer, n_rollout_steps, speed.actor, self.gamma, masks_of)
 
     def _load_rollout(self, speed: _Speedups, sampler: MinibatchSampler) -> None:
