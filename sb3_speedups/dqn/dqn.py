@@ -2,7 +2,7 @@
 DQN as in Stable-Baselines3, faster, with modern replay options. What differs from stock, and why it is faster:
 
 - ``train()`` samples all of its minibatches at once (the same global-RNG draws as stock, then one gather and one
-  tensor conversion: :mod:`sb3_speedups.dqn.replay.sampling`) and computes every TD target with one forward of
+  tensor conversion: :mod:`sb3_speedups.common.replay.sampling`) and computes every TD target with one forward of
   the target network (it is constant inside ``train()``: SB3 updates it in ``_on_step``);
 - each gradient step is :class:`~sb3_speedups.dqn.update.HandDerivedQUpdate` for MLP Q-networks (hand-derived
   gradients, flat parameters, fused Adam, no host sync), else the autograd
@@ -34,7 +34,7 @@ from sb3_speedups.common.acting.torch_mlp import TorchMlp
 from sb3_speedups.common.nn.blocked import BlockedMlpForward, forward_in_blocks
 from sb3_speedups.dqn.update import AutogradQUpdate, HandDerivedQUpdate, huber_, q_mlp_unsupported_reason
 from sb3_speedups.dqn.replay.buffers import PrioritizedReplayBuffer, PrioritizedReplayBufferSamples
-from sb3_speedups.dqn.replay.sampling import (
+from sb3_speedups.common.replay.sampling import (
     batchable,
     batched_sampling_supported,
     chunk_sizes,

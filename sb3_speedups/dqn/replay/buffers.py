@@ -20,7 +20,7 @@ from stable_baselines3.common.buffers import NStepReplayBuffer, ReplayBuffer
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from stable_baselines3.common.vec_env import VecNormalize
 
-from sb3_speedups.dqn.replay.sampling import newest_indices
+from sb3_speedups.common.replay.sampling import newest_indices
 from sb3_speedups.dqn.replay.sum_tree import SumTree
 
 __all__ = ["PrioritizedReplayBuffer", "PrioritizedReplayBufferSamples", "newest_indices"]
