@@ -24,7 +24,7 @@ from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
 from stable_baselines3.common.vec_env import VecEnv
 
-from sb3_speedups import A2C, DQN, PPO, RecurrentPPO
+from sb3_speedups import A2C, DQN, PPO, SAC, RecurrentPPO
 from sb3_speedups.ppo_mask import MaskablePPO
 from sb3_speedups.ppo_recurrent.collection import frozen_actor_unsupported_reason
 
@@ -34,6 +34,8 @@ def updater_engine(model: BaseAlgorithm) -> str:
     speed = model._speedups  # type: ignore[attr-defined]
     if speed is None:
         return "not built"
+    if speed.updater is None:  # SAC, TD3: stock's train() runs
+        return "stock train()"
     return type(speed.updater).__name__ if speed.updater.is_bound() else "unbound"
 
 
@@ -197,6 +199,21 @@ def dqn_env(n_envs: int) -> Callable[[], VecEnv]:
     return seeded_envs("CartPole-v1", n_envs, 3)
 
 
+OFF_POLICY_SMALL = dict(
+    learning_starts=64,
+    batch_size=32,
+    buffer_size=5_000,
+    train_freq=8,
+    gradient_steps=4,
+    policy_kwargs=dict(net_arch=[32, 32]),
+    seed=3,
+)
+OFF_POLICY_CASE = dict(
+    engine_of=updater_engine, learn_steps=256, more_steps=64, close=("observations", "actions", "rewards"), buffer_atol=1e-5
+)
+SAC_CASE = {**OFF_POLICY_CASE, "engine": "HandDerivedSACUpdate"}
+
+
 def masked_env(env_id: str) -> Callable[[], VecEnv]:
     """:return: a factory of sb3-contrib's masking test env (short episodes: starts inside one rollout)"""
     return lambda: make_vec_env(lambda: gym.make(env_id, ep_length=5), n_envs=4, seed=3)
@@ -263,6 +280,19 @@ CASES = [
     AlgoCase(
         "dqn-dueling", DQN, None, dqn_env(1), {**SEEDED_DQN, "policy_kwargs": dict(net_arch=[16, 8], dueling=True)},
         **{**DQN_CASE, "engine": "AutogradQUpdate", "learn_steps": 400},
+    ),
+    AlgoCase("sac", SAC, stable_baselines3.SAC, seeded_envs("Pendulum-v1", 1, 3), OFF_POLICY_SMALL, **SAC_CASE),
+    AlgoCase(
+        "sac-fixed-ent-coef-4envs", SAC, stable_baselines3.SAC, PENDULUM_ENV,
+        {**OFF_POLICY_SMALL, "ent_coef": 0.1, "target_update_interval": 2}, **SAC_CASE,
+    ),
+    AlgoCase(
+        "sac-auto-ent-coef-interval", SAC, stable_baselines3.SAC, PENDULUM_ENV,
+        {**OFF_POLICY_SMALL, "ent_coef": "auto_0.5", "target_update_interval": 3, "target_entropy": -0.5}, **SAC_CASE,
+    ),
+    AlgoCase(
+        "sac-gsde", SAC, stable_baselines3.SAC, PENDULUM_ENV, {**OFF_POLICY_SMALL, "use_sde": True},
+        **{**SAC_CASE, "engine": "stock train()"},
     ),
     AlgoCase(
         "ppo-mask", MaskablePPO, sb3_contrib.MaskablePPO, masked_env("InvalidActionEnvDiscrete-v0"), SEEDED_MASK, **MASK_CASE
