@@ -24,7 +24,7 @@ from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
 from stable_baselines3.common.vec_env import VecEnv
 
-from sb3_speedups import A2C, DQN, PPO, SAC, RecurrentPPO
+from sb3_speedups import A2C, DDPG, DQN, PPO, SAC, TD3, RecurrentPPO
 from sb3_speedups.ppo_mask import MaskablePPO
 from sb3_speedups.ppo_recurrent.collection import frozen_actor_unsupported_reason
 
@@ -105,12 +105,17 @@ class AlgoCase:
     callback_gaps: frozenset[str] = frozenset()
     marks: tuple[Any, ...] = ()
 
+    def fresh_kwargs(self) -> dict[str, Any]:
+        """:return: the constructor arguments with a fresh ``policy_kwargs`` (SB3's SAC writes into the one given)"""
+        policy_kwargs = self.kwargs.get("policy_kwargs")
+        return self.kwargs if policy_kwargs is None else {**self.kwargs, "policy_kwargs": dict(policy_kwargs)}
+
     def make_ours(self, env: VecEnv | None = None) -> BaseAlgorithm:
-        return self.ours(self.policy, env if env is not None else self.env(), **self.kwargs, **self.ours_kwargs)
+        return self.ours(self.policy, env if env is not None else self.env(), **self.fresh_kwargs(), **self.ours_kwargs)
 
     def make_stock(self, env: VecEnv | None = None) -> BaseAlgorithm:
         assert self.stock is not None
-        return self.stock(self.policy, env if env is not None else self.env(), **self.kwargs)
+        return self.stock(self.policy, env if env is not None else self.env(), **self.fresh_kwargs())
 
     @property
     def on_policy(self) -> bool:
@@ -212,6 +217,7 @@ OFF_POLICY_CASE = dict(
     engine_of=updater_engine, learn_steps=256, more_steps=64, close=("observations", "actions", "rewards"), buffer_atol=1e-5
 )
 SAC_CASE = {**OFF_POLICY_CASE, "engine": "HandDerivedSACUpdate"}
+TD3_CASE = {**OFF_POLICY_CASE, "engine": "HandDerivedTD3Update"}
 
 
 def masked_env(env_id: str) -> Callable[[], VecEnv]:
@@ -293,6 +299,16 @@ CASES = [
     AlgoCase(
         "sac-gsde", SAC, stable_baselines3.SAC, PENDULUM_ENV, {**OFF_POLICY_SMALL, "use_sde": True},
         **{**SAC_CASE, "engine": "stock train()"},
+    ),
+    AlgoCase(
+        "td3", TD3, stable_baselines3.TD3, seeded_envs("Pendulum-v1", 1, 3),
+        {**OFF_POLICY_SMALL, "policy_delay": 2, "target_policy_noise": 0.3, "target_noise_clip": 0.4}, **TD3_CASE,
+    ),
+    AlgoCase("td3-4envs", TD3, stable_baselines3.TD3, PENDULUM_ENV, OFF_POLICY_SMALL, **TD3_CASE),
+    AlgoCase("ddpg", DDPG, stable_baselines3.DDPG, seeded_envs("Pendulum-v1", 1, 3), OFF_POLICY_SMALL, **TD3_CASE),
+    AlgoCase(
+        "td3-autograd", TD3, stable_baselines3.TD3, PENDULUM_ENV, OFF_POLICY_SMALL, ours_kwargs=dict(fast_update=False),
+        **{**TD3_CASE, "engine": "stock train()"},
     ),
     AlgoCase(
         "ppo-mask", MaskablePPO, sb3_contrib.MaskablePPO, masked_env("InvalidActionEnvDiscrete-v0"), SEEDED_MASK, **MASK_CASE

@@ -27,13 +27,17 @@ from sb3_speedups.sac.update import HandDerivedSACUpdate, SACStepLosses, sac_uns
 
 
 def check_ent_coef(ent_coef: Any) -> None:
-    """Raise a one-line ``ValueError`` for an entropy coefficient stock SAC cannot read (it raises a bare one)."""
+    """
+    Raise a one-line ``ValueError`` for an entropy coefficient string stock SAC cannot read (where it raises a bare
+    one): ``"auto"`` (any string starting so), ``"auto_<initial value>"`` or a number.
+    """
     if not isinstance(ent_coef, str):
         return
-    value = ent_coef[len("auto_") :] if ent_coef.startswith("auto_") else None if ent_coef == "auto" else ent_coef
+    value = ent_coef.split("_")[1] if ent_coef.startswith("auto") and "_" in ent_coef else ent_coef
+    if value.startswith("auto"):
+        return
     try:
-        if value is not None:
-            float(value)
+        float(value)
     except ValueError:
         raise UserValueError(
             f"ent_coef={ent_coef!r} is invalid: use 'auto', 'auto_<initial value>' (e.g. 'auto_0.1') or a number"

@@ -91,11 +91,11 @@ class HandDerivedSACUpdate:
         actor = policy.actor
         hidden = parse_mlp(actor.latent_pi)
         assert isinstance(hidden, Mlp)
-        self.actor = ActorNet(
-            actor, hidden, [actor.mu.weight, actor.log_std.weight], [actor.mu.bias, actor.log_std.bias], actor.optimizer
-        )
+        mu, log_std = actor.mu, actor.log_std
+        assert isinstance(mu, th.nn.Linear) and isinstance(log_std, th.nn.Linear)
+        self.actor = ActorNet(actor, hidden, [mu.weight, log_std.weight], [mu.bias, log_std.bias], actor.optimizer)
         self.critics = StackedCritics(policy.critic, policy.critic_target, policy.critic.optimizer)
-        self.action_dim = int(actor.mu.out_features)
+        self.action_dim = mu.out_features
         self.ent_flat: FlatParameters | None = None
         self.ent_adam: FlatAdam | None = None
         if log_ent_coef is not None and ent_coef_optimizer is not None:
