@@ -17,6 +17,7 @@ The maths and the tests that check it: docs/maths.md, "SAC actor" and "Off-polic
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch as th
 from stable_baselines3.sac.policies import Actor, SACPolicy
@@ -91,8 +92,7 @@ class HandDerivedSACUpdate:
         actor = policy.actor
         hidden = parse_mlp(actor.latent_pi)
         assert isinstance(hidden, Mlp)
-        mu, log_std = actor.mu, actor.log_std
-        assert isinstance(mu, th.nn.Linear) and isinstance(log_std, th.nn.Linear)
+        mu, log_std = cast(th.nn.Linear, actor.mu), cast(th.nn.Linear, actor.log_std)  # checked above
         self.actor = ActorNet(actor, hidden, [mu.weight, log_std.weight], [mu.bias, log_std.bias], actor.optimizer)
         self.critics = StackedCritics(policy.critic, policy.critic_target, policy.critic.optimizer)
         self.action_dim = mu.out_features
