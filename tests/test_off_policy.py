@@ -9,6 +9,7 @@ import pytest
 import stable_baselines3
 import torch as th
 from stable_baselines3.common.env_util import make_vec_env
+from stable_baselines3.common.noise import NormalActionNoise
 from stable_baselines3.common.utils import polyak_update
 
 from sb3_speedups import DDPG, SAC, TD3
@@ -115,3 +116,29 @@ def test_unknown_ent_coef_is_one_clear_value_error(ent_coef: str) -> None:
     assert "\n" not in str(info.value)
     with pytest.raises(ValueError):  # stock raises the same type
         stable_baselines3.SAC("MlpPolicy", "Pendulum-v1", ent_coef=ent_coef)
+
+
+@pytest.mark.parametrize(
+    ("ours_cls", "stock_cls", "kwargs"),
+    [
+        pytest.param(SAC, stable_baselines3.SAC, {}, id="sac"),
+        pytest.param(TD3, stable_baselines3.TD3, {"action_noise": "normal"}, id="td3-noise"),
+        pytest.param(DDPG, stable_baselines3.DDPG, {}, id="ddpg"),
+    ],
+)
+def test_frozen_actor_acts_as_stock_bit_for_bit(ours_cls: type, stock_cls: type, kwargs: dict) -> None:
+    """After ``learning_starts``, actions (and the RNG draws of SAC's sampling) are stock's, with 2 envs."""
+    buffers = []
+    for cls in (ours_cls, stock_cls):
+        noise = {"action_noise": NormalActionNoise(np.zeros(1), np.full(1, 0.2))} if kwargs else {}
+        model = cls(
+            "MlpPolicy", make_vec_env("Pendulum-v1", n_envs=2, seed=5), learning_starts=40, train_freq=500, seed=5, **noise
+        )
+        model.learn(160)
+        buffers.append(model.replay_buffer)
+        if cls is ours_cls:
+            assert model._speedups.actor is not None
+    ours, stock = buffers
+    np.testing.assert_array_equal(ours.actions[:80], stock.actions[:80])
+    np.testing.assert_array_equal(ours.observations[:80], stock.observations[:80])
+    assert np.abs(stock.actions[20:80]).max() > 0

@@ -20,6 +20,7 @@ from typing import Any
 import stable_baselines3
 import torch as th
 
+from sb3_speedups.common.acting.off_policy import FrozenActorSampling, FrozenOffPolicyActor
 from sb3_speedups.common.off_policy.training import check_tau, largest_linear, mean_of, minibatches
 from sb3_speedups.common.torch_utils import apply_num_threads, num_threads_during, update_num_threads
 from sb3_speedups.errors import UserValueError
@@ -52,9 +53,11 @@ class _Speedups:
     fallback_reason: str | None
     #: inputs x outputs of the largest ``Linear`` layer (for the update's thread count)
     largest_linear: int
+    #: the actor's frozen copy that acts during collection (with the hand-derived update), else ``None``
+    actor: FrozenOffPolicyActor | None
 
 
-class SAC(stable_baselines3.SAC):
+class SAC(FrozenActorSampling, stable_baselines3.SAC):
     """
     Soft Actor-Critic, a drop-in for :class:`stable_baselines3.SAC` (same arguments, ``learn``, ``predict``, saved
     files); see :class:`stable_baselines3.SAC` for every argument not listed here.
@@ -113,7 +116,12 @@ class SAC(stable_baselines3.SAC):
             )
         elif self.verbose >= 1:
             print(f"sb3_speedups SAC: using stock's train() ({reason})")
-        self._speedups = _Speedups(updater, reason, largest_linear(self.actor, self.critic))
+        self._speedups = _Speedups(
+            updater,
+            reason,
+            largest_linear(self.actor, self.critic),
+            None if updater is None else FrozenOffPolicyActor(self.actor),
+        )
         return self._speedups
 
     def train(self, gradient_steps: int, batch_size: int = 64) -> None:
@@ -135,6 +143,8 @@ class SAC(stable_baselines3.SAC):
                     update_target = (first + k) % self.target_update_interval == 0
                     updater.step(batches, k, update_target, self.tau, losses)
         self._n_updates += gradient_steps
+        if speed.actor is not None:
+            speed.actor.sync()
         self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
         self.logger.record("train/ent_coef", mean_of(losses.ent_coef))
         self.logger.record("train/actor_loss", mean_of(losses.actor))

@@ -20,6 +20,7 @@ from typing import Any
 import stable_baselines3
 import torch as th
 
+from sb3_speedups.common.acting.off_policy import FrozenActorSampling, FrozenOffPolicyActor
 from sb3_speedups.common.off_policy.training import check_tau, largest_linear, mean_of, minibatches
 from sb3_speedups.common.torch_utils import apply_num_threads, num_threads_during, update_num_threads
 from sb3_speedups.td3.update import HandDerivedTD3Update, TD3StepLosses, td3_unsupported_reason
@@ -33,9 +34,11 @@ class _Speedups:
     fallback_reason: str | None
     #: inputs x outputs of the largest ``Linear`` layer (for the update's thread count)
     largest_linear: int
+    #: the actor's frozen copy that acts during collection (with the hand-derived update), else ``None``
+    actor: FrozenOffPolicyActor | None
 
 
-class TD3(stable_baselines3.TD3):
+class TD3(FrozenActorSampling, stable_baselines3.TD3):
     """
     Twin Delayed DDPG, a drop-in for :class:`stable_baselines3.TD3` (same arguments, ``learn``, ``predict``, saved
     files); see :class:`stable_baselines3.TD3` for every argument not listed here.
@@ -84,7 +87,12 @@ class TD3(stable_baselines3.TD3):
         updater = HandDerivedTD3Update(self.policy) if reason is None else None
         if reason is not None and self.verbose >= 1:
             print(f"sb3_speedups {type(self).__name__}: using stock's train() ({reason})")
-        self._speedups = _Speedups(updater, reason, largest_linear(self.actor, self.critic))
+        self._speedups = _Speedups(
+            updater,
+            reason,
+            largest_linear(self.actor, self.critic),
+            None if updater is None else FrozenOffPolicyActor(self.actor),
+        )
         return self._speedups
 
     def train(self, gradient_steps: int, batch_size: int = 100) -> None:
@@ -103,6 +111,8 @@ class TD3(stable_baselines3.TD3):
                     self._n_updates += 1
                     update_actor = self._n_updates % self.policy_delay == 0
                     updater.step(batches, k, update_actor, self.target_policy_noise, self.target_noise_clip, self.tau, losses)
+        if speed.actor is not None:
+            speed.actor.sync()
         self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
         if losses.actor:
             self.logger.record("train/actor_loss", mean_of(losses.actor))
