@@ -10,7 +10,7 @@ noise from torch's global RNG as ``torch.distributions.Normal.rsample`` does, so
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch as th
@@ -19,6 +19,7 @@ from stable_baselines3.common.noise import ActionNoise
 from stable_baselines3.common.off_policy_algorithm import OffPolicyAlgorithm
 from stable_baselines3.sac.policies import Actor as SACActor
 from stable_baselines3.td3.policies import Actor as TD3Actor
+from torch import nn
 
 from sb3_speedups.common.acting.actors import ParameterMirror, box_env_actions
 from sb3_speedups.common.acting.torch_mlp import TorchMlp
@@ -44,7 +45,7 @@ class FrozenOffPolicyActor:
 
         self.squashed_gaussian = isinstance(actor, SACActor)
         # SAC: latent, then the mean and the log std as two products (as stock's two Linear calls)
-        modules = [actor.latent_pi, actor.mu, actor.log_std] if isinstance(actor, SACActor) else [actor.mu]
+        modules = [actor.latent_pi, actor.mu, cast(nn.Module, actor.log_std)] if isinstance(actor, SACActor) else [actor.mu]
         self.nets = [TorchMlp.from_module(module, mirrored) for module in modules]
 
     def sync(self) -> None:
