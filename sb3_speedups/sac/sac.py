@@ -21,6 +21,7 @@ import stable_baselines3
 import torch as th
 
 from sb3_speedups.common.acting.off_policy import FrozenActorSampling, FrozenOffPolicyActor
+from sb3_speedups.common.off_policy.collection import FastOffPolicyCollection
 from sb3_speedups.common.off_policy.training import check_tau, largest_linear, mean_of, minibatches
 from sb3_speedups.common.torch_utils import apply_num_threads, num_threads_during, update_num_threads
 from sb3_speedups.errors import UserValueError
@@ -57,7 +58,7 @@ class _Speedups:
     actor: FrozenOffPolicyActor | None
 
 
-class SAC(FrozenActorSampling, stable_baselines3.SAC):
+class SAC(FrozenActorSampling, FastOffPolicyCollection, stable_baselines3.SAC):
     """
     Soft Actor-Critic, a drop-in for :class:`stable_baselines3.SAC` (same arguments, ``learn``, ``predict``, saved
     files); see :class:`stable_baselines3.SAC` for every argument not listed here.
@@ -130,7 +131,7 @@ class SAC(FrozenActorSampling, stable_baselines3.SAC):
         updater = speed.updater
         if updater is None:
             return super().train(gradient_steps, batch_size)
-        self.policy.set_training_mode(True)
+        self._set_training_mode(True)
         optimizers = [self.actor.optimizer, self.critic.optimizer]
         if self.ent_coef_optimizer is not None:
             optimizers.append(self.ent_coef_optimizer)

@@ -21,6 +21,7 @@ import stable_baselines3
 import torch as th
 
 from sb3_speedups.common.acting.off_policy import FrozenActorSampling, FrozenOffPolicyActor
+from sb3_speedups.common.off_policy.collection import FastOffPolicyCollection
 from sb3_speedups.common.off_policy.training import check_tau, largest_linear, mean_of, minibatches
 from sb3_speedups.common.torch_utils import apply_num_threads, num_threads_during, update_num_threads
 from sb3_speedups.td3.update import HandDerivedTD3Update, TD3StepLosses, td3_unsupported_reason
@@ -38,7 +39,7 @@ class _Speedups:
     actor: FrozenOffPolicyActor | None
 
 
-class TD3(FrozenActorSampling, stable_baselines3.TD3):
+class TD3(FrozenActorSampling, FastOffPolicyCollection, stable_baselines3.TD3):
     """
     Twin Delayed DDPG, a drop-in for :class:`stable_baselines3.TD3` (same arguments, ``learn``, ``predict``, saved
     files); see :class:`stable_baselines3.TD3` for every argument not listed here.
@@ -101,7 +102,7 @@ class TD3(FrozenActorSampling, stable_baselines3.TD3):
         updater = speed.updater
         if updater is None:
             return super().train(gradient_steps, batch_size)
-        self.policy.set_training_mode(True)
+        self._set_training_mode(True)
         self._update_learning_rate([self.actor.optimizer, self.critic.optimizer])
         losses = TD3StepLosses([], [])
         threads = update_num_threads(batch_size * speed.largest_linear, self.num_threads, self.device)
