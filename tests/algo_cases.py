@@ -23,10 +23,12 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
 from stable_baselines3.common.vec_env import VecEnv
+from gymnasium.spaces import Box
 
 from sb3_speedups import A2C, DDPG, DQN, PPO, SAC, TD3, RecurrentPPO
 from sb3_speedups.ppo_mask import MaskablePPO
 from sb3_speedups.ppo_recurrent.collection import frozen_actor_unsupported_reason
+from tests.space_envs import BoxObsEnv
 
 
 def updater_engine(model: BaseAlgorithm) -> str:
@@ -34,8 +36,6 @@ def updater_engine(model: BaseAlgorithm) -> str:
     speed = model._speedups  # type: ignore[attr-defined]
     if speed is None:
         return "not built"
-    if speed.updater is None:  # SAC, TD3: stock's train() runs
-        return "stock train()"
     return type(speed.updater).__name__ if speed.updater.is_bound() else "unbound"
 
 
@@ -220,6 +220,11 @@ SAC_CASE = {**OFF_POLICY_CASE, "engine": "HandDerivedSACUpdate"}
 TD3_CASE = {**OFF_POLICY_CASE, "engine": "HandDerivedTD3Update"}
 
 
+def image_env(action_space: Box) -> Callable[[], VecEnv]:
+    """:return: a factory of small seeded uint8-image envs (CNN policies)"""
+    return lambda: make_vec_env(lambda: BoxObsEnv(action_space, image=True), n_envs=2, seed=1)
+
+
 def masked_env(env_id: str) -> Callable[[], VecEnv]:
     """:return: a factory of sb3-contrib's masking test env (short episodes: starts inside one rollout)"""
     return lambda: make_vec_env(lambda: gym.make(env_id, ep_length=5), n_envs=4, seed=3)
@@ -298,7 +303,16 @@ CASES = [
     ),
     AlgoCase(
         "sac-gsde", SAC, stable_baselines3.SAC, PENDULUM_ENV, {**OFF_POLICY_SMALL, "use_sde": True},
-        **{**SAC_CASE, "engine": "stock train()"},
+        **{**SAC_CASE, "engine": "AutogradSACUpdate"},
+    ),
+    AlgoCase(
+        "sac-autograd", SAC, stable_baselines3.SAC, seeded_envs("Pendulum-v1", 1, 3), OFF_POLICY_SMALL,
+        ours_kwargs=dict(fast_update=False), **{**SAC_CASE, "engine": "AutogradSACUpdate"},
+    ),
+    AlgoCase(
+        "sac-cnn", SAC, stable_baselines3.SAC, image_env(Box(-1, 1, (2,), np.float32)),
+        {**OFF_POLICY_SMALL, "policy_kwargs": dict(net_arch=[16])}, policy="CnnPolicy",
+        **{**SAC_CASE, "engine": "AutogradSACUpdate", "learn_steps": 160},
     ),
     AlgoCase(
         "td3", TD3, stable_baselines3.TD3, seeded_envs("Pendulum-v1", 1, 3),
@@ -308,7 +322,7 @@ CASES = [
     AlgoCase("ddpg", DDPG, stable_baselines3.DDPG, seeded_envs("Pendulum-v1", 1, 3), OFF_POLICY_SMALL, **TD3_CASE),
     AlgoCase(
         "td3-autograd", TD3, stable_baselines3.TD3, PENDULUM_ENV, OFF_POLICY_SMALL, ours_kwargs=dict(fast_update=False),
-        **{**TD3_CASE, "engine": "stock train()"},
+        **{**TD3_CASE, "engine": "AutogradTD3Update"},
     ),
     AlgoCase(
         "ppo-mask", MaskablePPO, sb3_contrib.MaskablePPO, masked_env("InvalidActionEnvDiscrete-v0"), SEEDED_MASK, **MASK_CASE

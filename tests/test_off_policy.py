@@ -14,7 +14,7 @@ from stable_baselines3.common.utils import polyak_update
 
 from sb3_speedups import DDPG, SAC, TD3
 from sb3_speedups.common.nn.optim import FlatAdam
-from sb3_speedups.common.off_policy.critics import polyak_
+from sb3_speedups.common.off_policy.critics import foreach_polyak_, polyak_
 
 SMALL = dict(learning_starts=10_000, batch_size=64, buffer_size=1_000, seed=5)
 
@@ -97,9 +97,12 @@ def test_flat_polyak_is_stocks_bit_for_bit(tau: float) -> None:
     source = [th.randn(s, generator=gen) for s in shapes]
     target = [th.randn(s, generator=gen) for s in shapes]
     flat_source, flat_target = th.cat([t.reshape(-1) for t in source]), th.cat([t.reshape(-1) for t in target])
+    foreach_target = [t.clone() for t in target]
     polyak_update(source, target, tau)
     polyak_(flat_target, flat_source, tau)
+    foreach_polyak_(foreach_target, source, tau)
     assert th.equal(flat_target, th.cat([t.reshape(-1) for t in target]))
+    assert all(th.equal(a, b) for a, b in zip(foreach_target, target, strict=True))
 
 
 @pytest.mark.parametrize("cls", [SAC, TD3, DDPG])

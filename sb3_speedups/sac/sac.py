@@ -9,7 +9,9 @@ SAC as in Stable-Baselines3, faster. What differs from stock, and why it is fast
 - torch runs on one CPU thread unless the user chose otherwise, except in ``train()`` when the matrix products are
   large (the RL Zoo's 256x256 nets): there two threads are faster.
 
-gSDE, CNN and ``Dict`` observations, custom policies and optimizers run stock's ``train()``.
+gSDE, CNN and ``Dict`` observations, custom policies and optimizers run
+:class:`~sb3_speedups.sac.update.AutogradSACUpdate` (stock's losses through autograd, flat fused Adam, no critic weight
+gradients for the actor loss, minibatches sampled ahead).
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ import torch as th
 
 from sb3_speedups.common.acting.off_policy import FrozenActorSampling, FrozenOffPolicyActor
 from sb3_speedups.common.off_policy.collection import FastOffPolicyCollection
-from sb3_speedups.common.off_policy.training import check_tau, largest_linear, mean_of, minibatches
+from sb3_speedups.common.off_policy.training import check_tau, largest_linear, mean_of, minibatches, split_minibatches
 from sb3_speedups.common.torch_utils import apply_num_threads, num_threads_during, update_num_threads
 from sb3_speedups.errors import UserValueError
-from sb3_speedups.sac.update import HandDerivedSACUpdate, SACStepLosses, sac_unsupported_reason
+from sb3_speedups.sac.update import AutogradSACUpdate, HandDerivedSACUpdate, SACStepLosses, sac_unsupported_reason
 
 
 def check_ent_coef(ent_coef: Any) -> None:
@@ -50,7 +52,7 @@ def check_ent_coef(ent_coef: Any) -> None:
 class _Speedups:
     """Speed-only state, rebuilt when the policy or its optimizer state is replaced (never saved)."""
 
-    updater: HandDerivedSACUpdate | None
+    updater: HandDerivedSACUpdate | AutogradSACUpdate
     fallback_reason: str | None
     #: inputs x outputs of the largest ``Linear`` layer (for the update's thread count)
     largest_linear: int
@@ -64,7 +66,7 @@ class SAC(FrozenActorSampling, FastOffPolicyCollection, stable_baselines3.SAC):
     files); see :class:`stable_baselines3.SAC` for every argument not listed here.
 
     :param num_threads: torch CPU threads; ``None`` keeps a value the user set, else uses the package default (1)
-    :param fast_update: use the hand-derived update for MLP policies (``False`` forces stock's ``train()``)
+    :param fast_update: use the hand-derived update for MLP policies (``False`` forces the autograd update)
     """
 
     def __init__(
@@ -95,42 +97,33 @@ class SAC(FrozenActorSampling, FastOffPolicyCollection, stable_baselines3.SAC):
         return [*super()._excluded_save_params(), "_speedups"]
 
     def fast_path_unsupported_reason(self) -> str | None:
-        """:return: why the hand-derived update cannot run this model (so stock's ``train()`` does), or ``None``"""
+        """:return: why the hand-derived update cannot run this model (so the autograd one does), or ``None``"""
         if not self.fast_update:
             return "fast_update=False"
         return sac_unsupported_reason(self.policy, self.use_sde)
 
     def _ensure_speedups(self) -> _Speedups:
         speed = self._speedups
-        if speed is not None and (speed.updater is None or (speed.updater.policy is self.policy and speed.updater.is_bound())):
+        if speed is not None and speed.updater.policy is self.policy and speed.updater.is_bound():
             return speed
         reason = self.fast_path_unsupported_reason()
-        updater = None
+        assert isinstance(self.target_entropy, float)
+        ent = (self.log_ent_coef, self.ent_coef_optimizer, getattr(self, "ent_coef_tensor", None), self.target_entropy)
+        updater: HandDerivedSACUpdate | AutogradSACUpdate
         if reason is None:
-            assert isinstance(self.target_entropy, float)
-            updater = HandDerivedSACUpdate(
-                self.policy,
-                self.log_ent_coef,
-                self.ent_coef_optimizer,
-                getattr(self, "ent_coef_tensor", None),
-                self.target_entropy,
-            )
-        elif self.verbose >= 1:
-            print(f"sb3_speedups SAC: using stock's train() ({reason})")
-        self._speedups = _Speedups(
-            updater,
-            reason,
-            largest_linear(self.actor, self.critic),
-            None if updater is None else FrozenOffPolicyActor(self.actor),
-        )
+            updater = HandDerivedSACUpdate(self.policy, *ent)
+        else:
+            updater = AutogradSACUpdate(self.policy, *ent, use_sde=self.use_sde)
+            if self.verbose >= 1:
+                print(f"sb3_speedups SAC: using the autograd update ({reason})")
+        actor = FrozenOffPolicyActor(self.actor) if reason is None else None
+        self._speedups = _Speedups(updater, reason, largest_linear(self.actor, self.critic), actor)
         return self._speedups
 
     def train(self, gradient_steps: int, batch_size: int = 64) -> None:
-        """Stock's SAC gradient steps (same updates), with the hand-derived update where it applies."""
+        """Stock's SAC gradient steps (the same updates), hand-derived where the networks allow, else through autograd."""
         speed = self._ensure_speedups()
         updater = speed.updater
-        if updater is None:
-            return super().train(gradient_steps, batch_size)
         self._set_training_mode(True)
         optimizers = [self.actor.optimizer, self.critic.optimizer]
         if self.ent_coef_optimizer is not None:
@@ -138,11 +131,17 @@ class SAC(FrozenActorSampling, FastOffPolicyCollection, stable_baselines3.SAC):
         self._update_learning_rate(optimizers)
         losses = SACStepLosses([], [], [], [])
         threads = update_num_threads(batch_size * speed.largest_linear, self.num_threads, self.device)
-        with num_threads_during(threads), th.inference_mode():
-            for first, batches in minibatches(self, gradient_steps, batch_size):
-                for k in range(batches.rewards.shape[0]):
-                    update_target = (first + k) % self.target_update_interval == 0
-                    updater.step(batches, k, update_target, self.tau, losses)
+        interval = self.target_update_interval
+        if isinstance(updater, AutogradSACUpdate):
+            with num_threads_during(threads):
+                for i, data in enumerate(split_minibatches(self, gradient_steps, batch_size)):
+                    updater.step(data, self.gamma, i % interval == 0, self.tau, losses)
+        else:
+            # The hand-derived update needs no autograd: without its dispatch every op is cheaper.
+            with num_threads_during(threads), th.inference_mode():
+                for first, batches in minibatches(self, gradient_steps, batch_size):
+                    for k in range(batches.rewards.shape[0]):
+                        updater.step(batches, k, (first + k) % interval == 0, self.tau, losses)
         self._n_updates += gradient_steps
         if speed.actor is not None:
             speed.actor.sync()

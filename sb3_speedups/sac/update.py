@@ -20,13 +20,21 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch as th
+import torch.nn.functional as F
+from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from stable_baselines3.sac.policies import Actor, SACPolicy
 
 from sb3_speedups.common.nn.flat import FlatParameters
 from sb3_speedups.common.nn.mlp import Mlp, parse_mlp
-from sb3_speedups.common.nn.optim import FlatAdam, adam_unsupported_reason
+from sb3_speedups.common.nn.optim import FlatAdam, FlatOptimizerStep, adam_unsupported_reason
 from sb3_speedups.common.off_policy.actor_net import ActorNet
-from sb3_speedups.common.off_policy.critics import StackedCritics, critic_unsupported_reason, flat_box_reason
+from sb3_speedups.common.off_policy.critics import (
+    StackedCritics,
+    critic_unsupported_reason,
+    flat_box_reason,
+    foreach_polyak_,
+    without_weight_gradients,
+)
 from sb3_speedups.common.off_policy.batches import OffPolicyBatches
 from sb3_speedups.sac.squashed_gaussian import sample_squashed, squashed_backward
 
@@ -166,3 +174,93 @@ class HandDerivedSACUpdate:
         self.actor.step(squashed_backward(sample, b, d_actions, ent_coef / b))
         if update_target:
             self.critics.polyak(tau)
+
+
+class AutogradSACUpdate:
+    """
+    SAC's gradient step with autograd, for any policy (gSDE, CNN and ``Dict`` observations, custom networks and
+    optimizers): stock's losses, with the flat fused Adam where the optimizer is a plain Adam over its network
+    (:class:`~sb3_speedups.common.nn.optim.FlatOptimizerStep`), no critic weight gradients for the actor loss, the
+    polyak update in two kernel calls, and no host sync.
+
+    :param policy: the SAC policy
+    :param log_ent_coef: as :class:`HandDerivedSACUpdate`
+    :param ent_coef_optimizer: as :class:`HandDerivedSACUpdate`
+    :param ent_coef: as :class:`HandDerivedSACUpdate`
+    :param target_entropy: as :class:`HandDerivedSACUpdate`
+    :param use_sde: resample gSDE's exploration matrix before each step, as stock does
+    """
+
+    def __init__(
+        self,
+        policy: SACPolicy,
+        log_ent_coef: th.Tensor | None,
+        ent_coef_optimizer: th.optim.Optimizer | None,
+        ent_coef: th.Tensor | None,
+        target_entropy: float,
+        use_sde: bool,
+    ) -> None:
+        self.policy = policy
+        self.actor_step = FlatOptimizerStep(policy.actor, policy.actor.optimizer)
+        self.critic_step = FlatOptimizerStep(policy.critic, policy.critic.optimizer)
+        self.log_ent_coef, self.fixed_ent_coef, self.target_entropy = log_ent_coef, ent_coef, target_entropy
+        self.ent_coef_optimizer = ent_coef_optimizer
+        self.use_sde = use_sde
+        self.critic_params = list(policy.critic.parameters())
+        self.target_params = list(policy.critic_target.parameters())
+
+    def is_bound(self) -> bool:
+        """:return: whether the optimizers are still the policy's and their state lives in the flat buffers"""
+        actor, critic = self.policy.actor, self.policy.critic
+        return self.actor_step.is_bound(actor.optimizer) and self.critic_step.is_bound(critic.optimizer)
+
+    def _ent_coef(self, log_prob: th.Tensor, losses: SACStepLosses) -> th.Tensor:
+        if self.log_ent_coef is None or self.ent_coef_optimizer is None:
+            assert self.fixed_ent_coef is not None
+            losses.ent_coef.append(self.fixed_ent_coef)
+            return self.fixed_ent_coef
+        ent_coef = th.exp(self.log_ent_coef.detach())
+        loss = -(self.log_ent_coef * (log_prob + self.target_entropy).detach()).mean()
+        losses.ent_coef.append(ent_coef)
+        losses.ent_coef_loss.append(loss.detach())
+        self.ent_coef_optimizer.zero_grad()
+        loss.backward()
+        self.ent_coef_optimizer.step()
+        return ent_coef
+
+    def step(self, data: ReplayBufferSamples, gamma: float, update_target: bool, tau: float, losses: SACStepLosses) -> None:
+        """
+        One gradient step of ``SAC.train`` on one minibatch.
+
+        :param data: the minibatch
+        :param gamma: the discount when the minibatch has none (n-step buffers give one per row)
+        :param update_target: whether the target critics move after this step
+        :param tau: the polyak coefficient
+        :param losses: where to keep this step's losses
+        """
+        actor, critic = self.policy.actor, self.policy.critic
+        discounts = data.discounts if data.discounts is not None else gamma
+        if self.use_sde:
+            actor.reset_noise()
+        actions_pi, log_prob = actor.action_log_prob(data.observations)
+        log_prob = log_prob.reshape(-1, 1)
+        ent_coef = self._ent_coef(log_prob, losses)
+        with th.no_grad():
+            next_actions, next_log_prob = actor.action_log_prob(data.next_observations)
+            next_q = th.cat(self.policy.critic_target(data.next_observations, next_actions), dim=1)
+            next_q = th.min(next_q, dim=1, keepdim=True).values - ent_coef * next_log_prob.reshape(-1, 1)
+            target = data.rewards + (1 - data.dones) * discounts * next_q
+        current_q = critic(data.observations, data.actions)
+        critic_loss = 0.5 * sum(F.mse_loss(q, target) for q in current_q)
+        assert isinstance(critic_loss, th.Tensor)
+        losses.critic.append(critic_loss.detach())
+        self.critic_step.backward(critic_loss)
+        self.critic_step.step()
+        with without_weight_gradients(critic):
+            min_q = th.min(th.cat(critic(data.observations, actions_pi), dim=1), dim=1, keepdim=True).values
+            actor_loss = (ent_coef * log_prob - min_q).mean()
+            losses.actor.append(actor_loss.detach())
+            self.actor_step.backward(actor_loss)
+        self.actor_step.step()
+        if update_target:
+            foreach_polyak_(self.target_params, self.critic_params, tau)

@@ -9,7 +9,9 @@ why it is faster:
   target-noise draws; the losses are logged once per ``train()``;
 - torch threads as for SAC (:class:`sb3_speedups.SAC`).
 
-CNN and ``Dict`` observations, custom policies and optimizers run stock's ``train()``.
+CNN and ``Dict`` observations, custom policies and optimizers run
+:class:`~sb3_speedups.td3.update.AutogradTD3Update` (stock's losses through autograd, flat fused Adam, no critic weight
+gradients for the actor loss, minibatches sampled ahead).
 """
 
 from __future__ import annotations
@@ -22,16 +24,16 @@ import torch as th
 
 from sb3_speedups.common.acting.off_policy import FrozenActorSampling, FrozenOffPolicyActor
 from sb3_speedups.common.off_policy.collection import FastOffPolicyCollection
-from sb3_speedups.common.off_policy.training import check_tau, largest_linear, mean_of, minibatches
+from sb3_speedups.common.off_policy.training import check_tau, largest_linear, mean_of, minibatches, split_minibatches
 from sb3_speedups.common.torch_utils import apply_num_threads, num_threads_during, update_num_threads
-from sb3_speedups.td3.update import HandDerivedTD3Update, TD3StepLosses, td3_unsupported_reason
+from sb3_speedups.td3.update import AutogradTD3Update, HandDerivedTD3Update, TD3StepLosses, td3_unsupported_reason
 
 
 @dataclass
 class _Speedups:
     """Speed-only state, rebuilt when the policy or its optimizer state is replaced (never saved)."""
 
-    updater: HandDerivedTD3Update | None
+    updater: HandDerivedTD3Update | AutogradTD3Update
     fallback_reason: str | None
     #: inputs x outputs of the largest ``Linear`` layer (for the update's thread count)
     largest_linear: int
@@ -45,7 +47,7 @@ class TD3(FrozenActorSampling, FastOffPolicyCollection, stable_baselines3.TD3):
     files); see :class:`stable_baselines3.TD3` for every argument not listed here.
 
     :param num_threads: torch CPU threads; ``None`` keeps a value the user set, else uses the package default (1)
-    :param fast_update: use the hand-derived update for MLP policies (``False`` forces stock's ``train()``)
+    :param fast_update: use the hand-derived update for MLP policies (``False`` forces the autograd update)
     """
 
     def __init__(
@@ -75,43 +77,48 @@ class TD3(FrozenActorSampling, FastOffPolicyCollection, stable_baselines3.TD3):
         return [*super()._excluded_save_params(), "_speedups"]
 
     def fast_path_unsupported_reason(self) -> str | None:
-        """:return: why the hand-derived update cannot run this model (so stock's ``train()`` does), or ``None``"""
+        """:return: why the hand-derived update cannot run this model (so the autograd one does), or ``None``"""
         if not self.fast_update:
             return "fast_update=False"
         return td3_unsupported_reason(self.policy)
 
     def _ensure_speedups(self) -> _Speedups:
         speed = self._speedups
-        if speed is not None and (speed.updater is None or (speed.updater.policy is self.policy and speed.updater.is_bound())):
+        if speed is not None and speed.updater.policy is self.policy and speed.updater.is_bound():
             return speed
         reason = self.fast_path_unsupported_reason()
-        updater = HandDerivedTD3Update(self.policy) if reason is None else None
-        if reason is not None and self.verbose >= 1:
-            print(f"sb3_speedups {type(self).__name__}: using stock's train() ({reason})")
-        self._speedups = _Speedups(
-            updater,
-            reason,
-            largest_linear(self.actor, self.critic),
-            None if updater is None else FrozenOffPolicyActor(self.actor),
-        )
+        updater: HandDerivedTD3Update | AutogradTD3Update
+        if reason is None:
+            updater = HandDerivedTD3Update(self.policy)
+        else:
+            updater = AutogradTD3Update(self.policy)
+            if self.verbose >= 1:
+                print(f"sb3_speedups {type(self).__name__}: using the autograd update ({reason})")
+        actor = FrozenOffPolicyActor(self.actor) if reason is None else None
+        self._speedups = _Speedups(updater, reason, largest_linear(self.actor, self.critic), actor)
         return self._speedups
 
     def train(self, gradient_steps: int, batch_size: int = 100) -> None:
-        """Stock's TD3 gradient steps (same updates), with the hand-derived update where it applies."""
+        """Stock's TD3 gradient steps (the same updates), hand-derived where the networks allow, else through autograd."""
         speed = self._ensure_speedups()
         updater = speed.updater
-        if updater is None:
-            return super().train(gradient_steps, batch_size)
         self._set_training_mode(True)
         self._update_learning_rate([self.actor.optimizer, self.critic.optimizer])
         losses = TD3StepLosses([], [])
         threads = update_num_threads(batch_size * speed.largest_linear, self.num_threads, self.device)
-        with num_threads_during(threads), th.inference_mode():
-            for _, batches in minibatches(self, gradient_steps, batch_size):
-                for k in range(batches.rewards.shape[0]):
+        noise = (self.target_policy_noise, self.target_noise_clip)
+        if isinstance(updater, AutogradTD3Update):
+            with num_threads_during(threads):
+                for data in split_minibatches(self, gradient_steps, batch_size):
                     self._n_updates += 1
-                    update_actor = self._n_updates % self.policy_delay == 0
-                    updater.step(batches, k, update_actor, self.target_policy_noise, self.target_noise_clip, self.tau, losses)
+                    updater.step(data, self.gamma, self._n_updates % self.policy_delay == 0, *noise, self.tau, losses)
+        else:
+            # The hand-derived update needs no autograd: without its dispatch every op is cheaper.
+            with num_threads_during(threads), th.inference_mode():
+                for _, batches in minibatches(self, gradient_steps, batch_size):
+                    for k in range(batches.rewards.shape[0]):
+                        self._n_updates += 1
+                        updater.step(batches, k, self._n_updates % self.policy_delay == 0, *noise, self.tau, losses)
         if speed.actor is not None:
             speed.actor.sync()
         self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")

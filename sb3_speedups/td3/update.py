@@ -11,13 +11,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch as th
+import torch.nn.functional as F
+from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from stable_baselines3.td3.policies import Actor, TD3Policy
 
 from sb3_speedups.common.nn.mlp import TANH, Mlp, parse_mlp
-from sb3_speedups.common.nn.optim import adam_unsupported_reason
+from sb3_speedups.common.nn.optim import FlatOptimizerStep, adam_unsupported_reason
 from sb3_speedups.common.off_policy.actor_net import ActorNet
 from sb3_speedups.common.off_policy.batches import OffPolicyBatches
-from sb3_speedups.common.off_policy.critics import StackedCritics, critic_unsupported_reason, flat_box_reason, polyak_
+from sb3_speedups.common.off_policy.critics import (
+    StackedCritics,
+    critic_unsupported_reason,
+    flat_box_reason,
+    foreach_polyak_,
+    polyak_,
+    without_weight_gradients,
+)
 
 
 def td3_unsupported_reason(policy: TD3Policy) -> str | None:
@@ -130,3 +139,62 @@ class HandDerivedTD3Update:
         self.actor.step(d_out)
         self.critics.polyak(tau)
         polyak_(self.actor_target.flat.data, self.actor.flat.data, tau)
+
+
+class AutogradTD3Update:
+    """
+    TD3's gradient step with autograd, for any policy (CNN and ``Dict`` observations, custom networks and
+    optimizers): stock's losses, with the flat fused Adam where the optimizer is a plain Adam over its network
+    (:class:`~sb3_speedups.common.nn.optim.FlatOptimizerStep`), no critic weight gradients for the actor loss, the
+    polyak updates in two kernel calls each, and no host sync.
+
+    :param policy: the TD3 (or DDPG) policy
+    """
+
+    def __init__(self, policy: TD3Policy) -> None:
+        self.policy = policy
+        self.actor_step = FlatOptimizerStep(policy.actor, policy.actor.optimizer)
+        self.critic_step = FlatOptimizerStep(policy.critic, policy.critic.optimizer)
+        self.pairs = [
+            (list(policy.critic_target.parameters()), list(policy.critic.parameters())),
+            (list(policy.actor_target.parameters()), list(policy.actor.parameters())),
+        ]
+
+    def is_bound(self) -> bool:
+        """:return: whether the optimizers are still the policy's and their state lives in the flat buffers"""
+        actor, critic = self.policy.actor, self.policy.critic
+        return self.actor_step.is_bound(actor.optimizer) and self.critic_step.is_bound(critic.optimizer)
+
+    def step(
+        self,
+        data: ReplayBufferSamples,
+        gamma: float,
+        update_actor: bool,
+        noise_std: float,
+        noise_clip: float,
+        tau: float,
+        losses: TD3StepLosses,
+    ) -> None:
+        """One gradient step of ``TD3.train`` on one minibatch (arguments as :meth:`HandDerivedTD3Update.step`)."""
+        policy = self.policy
+        discounts = data.discounts if data.discounts is not None else gamma
+        with th.no_grad():
+            noise = th.empty_like(data.actions).normal_(0, noise_std).clamp_(-noise_clip, noise_clip)
+            next_actions = (policy.actor_target(data.next_observations) + noise).clamp(-1, 1)
+            next_q = th.cat(policy.critic_target(data.next_observations, next_actions), dim=1)
+            next_q = th.min(next_q, dim=1, keepdim=True).values
+            target = data.rewards + (1 - data.dones) * discounts * next_q
+        critic_loss = sum(F.mse_loss(q, target) for q in policy.critic(data.observations, data.actions))
+        assert isinstance(critic_loss, th.Tensor)
+        losses.critic.append(critic_loss.detach())
+        self.critic_step.backward(critic_loss)
+        self.critic_step.step()
+        if not update_actor:
+            return
+        with without_weight_gradients(policy.critic):
+            actor_loss = -policy.critic.q1_forward(data.observations, policy.actor(data.observations)).mean()
+            losses.actor.append(actor_loss.detach())
+            self.actor_step.backward(actor_loss)
+        self.actor_step.step()
+        for targets, sources in self.pairs:
+            foreach_polyak_(targets, sources, tau)

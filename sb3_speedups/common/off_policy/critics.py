@@ -10,7 +10,8 @@ docs/maths.md, "Off-policy critics".
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch as th
@@ -66,6 +67,29 @@ def stacked_layout(mlps: Sequence[Mlp]) -> list[th.Tensor]:
 def polyak_(target: th.Tensor, source: th.Tensor, tau: float) -> None:
     """``target = (1 - tau) * target + tau * source`` with the element-wise operations of SB3's ``polyak_update``."""
     target.mul_(1 - tau).add_(source, alpha=tau)
+
+
+@th.no_grad()
+def foreach_polyak_(targets: Sequence[th.Tensor], sources: Sequence[th.Tensor], tau: float) -> None:
+    """:func:`polyak_` of every tensor of ``targets`` (parameters anywhere), two kernel calls in all"""
+    th._foreach_mul_(list(targets), 1 - tau)
+    th._foreach_add_(list(targets), list(sources), alpha=tau)
+
+
+@contextmanager
+def without_weight_gradients(module: nn.Module) -> Iterator[None]:
+    """
+    Autograd computes no gradient for ``module``'s parameters inside the block (a loss that trains another network
+    through ``module`` needs only the gradient of its inputs).
+    """
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
 
 
 @dataclass

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch as th
 from stable_baselines3.common.off_policy_algorithm import OffPolicyAlgorithm
+from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from torch import nn
 
 from sb3_speedups.common.off_policy.batches import OffPolicyBatches, lay_out
@@ -27,25 +28,47 @@ def largest_linear(*modules: nn.Module) -> int:
     )
 
 
-def minibatches(model: OffPolicyAlgorithm, gradient_steps: int, batch_size: int) -> Iterator[tuple[int, OffPolicyBatches]]:
+def sampled_minibatches(
+    model: OffPolicyAlgorithm, gradient_steps: int, batch_size: int
+) -> Iterator[tuple[int, ReplayBufferSamples]]:
     """
     The minibatches of one ``train()`` call, with the global-RNG draws of stock's one ``sample`` per step; for stock
     buffers many at a time (:func:`~sb3_speedups.common.replay.sampling.sample_minibatches`).
 
-    :return: ``(index of the first gradient step, minibatches)`` pairs, in order
+    :return: ``(number of minibatches, their rows concatenated)`` pairs, in order
     """
     buffer = model.replay_buffer
     assert buffer is not None
     env = model._vec_normalize_env
-    done = 0
     if batchable(buffer):
         for n in chunk_sizes(gradient_steps, batch_size, buffer):
-            yield done, lay_out(sample_minibatches(buffer, batch_size, n, env), n, batch_size, model.gamma)
-            done += n
+            yield n, sample_minibatches(buffer, batch_size, n, env)
         return
     for _ in range(gradient_steps):
-        yield done, lay_out(buffer.sample(batch_size, env=env), 1, batch_size, model.gamma)
-        done += 1
+        yield 1, buffer.sample(batch_size, env=env)
+
+
+def minibatches(model: OffPolicyAlgorithm, gradient_steps: int, batch_size: int) -> Iterator[tuple[int, OffPolicyBatches]]:
+    """
+    :return: the minibatches of one ``train()`` call laid out for the hand-derived steps
+        (:func:`~sb3_speedups.common.off_policy.batches.lay_out`), as ``(index of the first gradient step,
+        minibatches)`` pairs
+    """
+    done = 0
+    for n, data in sampled_minibatches(model, gradient_steps, batch_size):
+        yield done, lay_out(data, n, batch_size, model.gamma)
+        done += n
+
+
+def split_minibatches(model: OffPolicyAlgorithm, gradient_steps: int, batch_size: int) -> Iterator[ReplayBufferSamples]:
+    """:return: the minibatches of one ``train()`` call one by one (for the autograd updates)"""
+    for n, data in sampled_minibatches(model, gradient_steps, batch_size):
+        if n == 1:
+            yield data
+            continue
+        for k in range(n):
+            rows = slice(k * batch_size, (k + 1) * batch_size)
+            yield ReplayBufferSamples(*(None if x is None else x[rows] for x in data))  # type: ignore[arg-type]
 
 
 def mean_of(values: list[th.Tensor]) -> float:
