@@ -214,7 +214,13 @@ OFF_POLICY_SMALL = dict(
     seed=3,
 )
 OFF_POLICY_CASE = dict(
-    engine_of=updater_engine, learn_steps=256, more_steps=64, close=("observations", "actions", "rewards"), buffer_atol=1e-5
+    engine_of=updater_engine,
+    learn_steps=256,
+    more_steps=64,
+    close=("observations", "actions", "rewards"),
+    buffer_atol=1e-5,
+    # float32 sums in another order (batched products, fused Adam): parameters within 3e-7 of stock's after ~100 updates
+    param_atol=1e-6,
 )
 SAC_CASE = {**OFF_POLICY_CASE, "engine": "HandDerivedSACUpdate"}
 TD3_CASE = {**OFF_POLICY_CASE, "engine": "HandDerivedTD3Update"}
