@@ -231,6 +231,17 @@ def image_env(action_space: Box) -> Callable[[], VecEnv]:
     return lambda: make_vec_env(lambda: BoxObsEnv(action_space, image=True), n_envs=2, seed=1)
 
 
+def dict_pendulum_env() -> VecEnv:
+    """:return: Pendulum with its observation in a ``Dict`` (``MultiInputPolicy``), seeded"""
+
+    def make() -> gym.Env:
+        env = gym.make("Pendulum-v1", max_episode_steps=20)
+        space = gym.spaces.Dict({"state": env.observation_space})
+        return gym.wrappers.TransformObservation(env, lambda obs: {"state": obs}, space)
+
+    return make_vec_env(make, n_envs=2, seed=3)
+
+
 def masked_env(env_id: str) -> Callable[[], VecEnv]:
     """:return: a factory of sb3-contrib's masking test env (short episodes: starts inside one rollout)"""
     return lambda: make_vec_env(lambda: gym.make(env_id, ep_length=5), n_envs=4, seed=3)
@@ -319,6 +330,10 @@ CASES = [
         "sac-cnn", SAC, stable_baselines3.SAC, image_env(Box(-1, 1, (2,), np.float32)),
         {**OFF_POLICY_SMALL, "policy_kwargs": dict(net_arch=[16])}, policy="CnnPolicy",
         **{**SAC_CASE, "engine": "AutogradSACUpdate", "learn_steps": 160},
+    ),
+    AlgoCase(
+        "sac-dict", SAC, stable_baselines3.SAC, dict_pendulum_env, {**OFF_POLICY_SMALL, "ent_coef": 0.05},
+        policy="MultiInputPolicy", **{**SAC_CASE, "engine": "AutogradSACUpdate", "close": ("actions", "rewards")},
     ),
     AlgoCase(
         "td3", TD3, stable_baselines3.TD3, seeded_envs("Pendulum-v1", 1, 3),

@@ -112,7 +112,10 @@ def test_replay_buffer_save_load_round_trip(case: AlgoCase, tmp_path) -> None:
     fresh.load_replay_buffer(tmp_path / "buffer")
     saved, loaded = ours.replay_buffer, fresh.replay_buffer
     assert type(loaded) is type(saved) and (loaded.pos, loaded.full) == (saved.pos, saved.full)
-    arrays = [name for name, value in vars(saved).items() if isinstance(value, np.ndarray)]
+    arrays = {name: value for name, value in vars(saved).items() if isinstance(value, np.ndarray | dict)}
     assert "observations" in arrays
-    for name in arrays:
-        np.testing.assert_array_equal(getattr(loaded, name), getattr(saved, name), err_msg=name)
+    for name, value in arrays.items():
+        parts = value.items() if isinstance(value, dict) else [(None, value)]  # DictReplayBuffer: one array per key
+        for key, array in parts:
+            got = getattr(loaded, name) if key is None else getattr(loaded, name)[key]
+            np.testing.assert_array_equal(got, array, err_msg=f"{name} {key}")
