@@ -62,6 +62,13 @@ CASES = [
     pytest.param(TD3, stable_baselines3.TD3, {"policy_delay": 1, "target_policy_noise": 0.3}, id="td3"),
     pytest.param(TD3, stable_baselines3.TD3, {"policy_kwargs": dict(activation_fn=th.nn.Tanh)}, id="td3-tanh"),
     pytest.param(DDPG, stable_baselines3.DDPG, {}, id="ddpg"),
+    pytest.param(TD3, stable_baselines3.TD3, {"n_steps": 3, "policy_kwargs": dict(net_arch=[16])}, id="td3-3step"),
+    pytest.param(
+        SAC,
+        stable_baselines3.SAC,
+        {"optimize_memory_usage": True, "replay_buffer_kwargs": dict(handle_timeout_termination=False)},
+        id="sac-optimize-memory",
+    ),
 ]
 
 
