@@ -170,7 +170,8 @@ DQN_SMALL = dict(
     policy_kwargs=dict(net_arch=[32, 32]),
 )
 SEEDED_DQN = {**DQN_SMALL, "seed": 3}
-DQN_CASE = dict(engine_of=updater_engine, engine="HandDerivedQUpdate", learn_steps=700, more_steps=300, exact=("actions",))
+REPLAY_FIELDS = ("observations", "next_observations", "actions", "rewards", "dones", "timeouts")
+DQN_CASE = dict(engine_of=updater_engine, engine="HandDerivedQUpdate", learn_steps=700, more_steps=300, exact=REPLAY_FIELDS)
 RECURRENT_SMALL = dict(n_steps=32, batch_size=64, n_epochs=2, policy_kwargs=dict(lstm_hidden_size=16, net_arch=[16]), seed=0)
 RNN_KWARGS = {**RECURRENT_SMALL["policy_kwargs"], "n_lstm_layers": 2}
 RECURRENT_CASE = dict(
@@ -299,11 +300,13 @@ CASES = [
     ),
     AlgoCase("dqn", DQN, stable_baselines3.DQN, dqn_env(1), SEEDED_DQN, **DQN_CASE),
     AlgoCase("dqn-4envs", DQN, stable_baselines3.DQN, dqn_env(4), SEEDED_DQN, **DQN_CASE),
+    AlgoCase("dqn-defaults", DQN, stable_baselines3.DQN, dqn_env(1), {"seed": 3}, **DQN_CASE),
+    AlgoCase("dqn-defaults-2envs", DQN, stable_baselines3.DQN, dqn_env(2), {"seed": 3}, **DQN_CASE),
     AlgoCase("dqn-3step", DQN, stable_baselines3.DQN, dqn_env(1), {**SEEDED_DQN, "n_steps": 3}, **DQN_CASE),
     AlgoCase(
         "dqn-optimize-memory", DQN, stable_baselines3.DQN, dqn_env(2),
         {**SEEDED_DQN, "optimize_memory_usage": True, "replay_buffer_kwargs": dict(handle_timeout_termination=False)},
-        **DQN_CASE,
+        **{**DQN_CASE, "exact": tuple(f for f in REPLAY_FIELDS if f != "next_observations")},
     ),
     AlgoCase(
         "dqn-dueling", DQN, None, dqn_env(1), {**SEEDED_DQN, "policy_kwargs": dict(net_arch=[16, 8], dueling=True)},

@@ -17,17 +17,20 @@ from stable_baselines3.her.her_replay_buffer import HerReplayBuffer
 from stable_baselines3.common.off_policy_algorithm import OffPolicyAlgorithm
 from stable_baselines3.common.vec_env import VecNormalize
 
-#: ``add`` methods that copy their arrays into the buffer's own storage (extend it for new buffers that do)
+#: stock ``add`` methods that copy their arrays into the buffer's own storage
 COPYING_ADDS: set[Any] = {ReplayBuffer.add, DictReplayBuffer.add, HerReplayBuffer.add}
 
 
 def copies_on_add(buffer: ReplayBuffer) -> bool:
-    """:return: whether ``buffer.add`` (and every ``add`` it extends) copies what it is given"""
+    """
+    :return: whether ``buffer.add`` (and every ``add`` it extends) copies what it is given: stock's do, and a class
+        that overrides ``add`` says so with a class attribute ``add_keeps_no_references = True`` beside it
+    """
     for cls in type(buffer).__mro__:
         add = cls.__dict__.get("add")
         if add is None:
             continue
-        if add not in COPYING_ADDS:
+        if add not in COPYING_ADDS and cls.__dict__.get("add_keeps_no_references") is not True:
             return False
         if add is ReplayBuffer.add:
             return True
