@@ -14,6 +14,7 @@ from stable_baselines3.common.utils import polyak_update
 
 from sb3_speedups import DDPG, SAC, TD3
 from sb3_speedups.common.nn.optim import FlatAdam
+from sb3_speedups.common.off_policy import training as off_policy_training
 from sb3_speedups.common.off_policy.critics import foreach_polyak_, polyak_
 
 SMALL = dict(learning_starts=10_000, batch_size=64, buffer_size=1_000, seed=5)
@@ -152,3 +153,11 @@ def test_frozen_actor_acts_as_stock_bit_for_bit(ours_cls: type, stock_cls: type,
     np.testing.assert_array_equal(ours.actions[:80], stock.actions[:80])
     np.testing.assert_array_equal(ours.observations[:80], stock.observations[:80])
     assert np.abs(stock.actions[20:80]).max() > 0
+
+
+@pytest.mark.parametrize(("ours_cls", "stock_cls"), [(SAC, stable_baselines3.SAC), (TD3, stable_baselines3.TD3)])
+def test_minibatches_sampled_in_several_chunks_are_stocks(ours_cls: type, stock_cls: type, monkeypatch) -> None:
+    """A ``train()`` call whose minibatches are sampled a few at a time makes the same steps (draws in stock's order)."""
+    monkeypatch.setattr(off_policy_training, "AHEAD_BYTES", 1)  # one minibatch per chunk
+    kwargs = {"target_update_interval": 2} if ours_cls is SAC else {"policy_delay": 2}
+    test_hand_derived_gradients_equal_stock_autograd(ours_cls, stock_cls, kwargs)

@@ -15,6 +15,11 @@ from sb3_speedups.common.replay.sampling import batchable, chunk_sizes, sample_m
 from sb3_speedups.errors import UserValueError
 
 
+#: at most about this many bytes of transitions sampled ahead at a time (their laid-out copies are about as large
+#: again), so that a train() call of many gradient steps stays within a few tens of megabytes more than stock's
+AHEAD_BYTES = 4 * 2**20
+
+
 def check_tau(tau: float) -> None:
     """Raise a one-line ``ValueError`` for a negative polyak coefficient (stock takes any value)."""
     if not tau >= 0.0:
@@ -41,8 +46,12 @@ def sampled_minibatches(
     assert buffer is not None
     env = model._vec_normalize_env
     if batchable(buffer):
-        for n in chunk_sizes(gradient_steps, batch_size, buffer):
-            yield n, sample_minibatches(buffer, batch_size, n, env)
+        row_bytes = 2 * buffer.observations[0, 0].nbytes + buffer.actions[0, 0].nbytes + 16
+        ahead = max(1, AHEAD_BYTES // (row_bytes * batch_size))
+        for chunk in chunk_sizes(gradient_steps, batch_size, buffer):
+            for start in range(0, chunk, ahead):  # smaller chunks, the same draws in the same order
+                n = min(ahead, chunk - start)
+                yield n, sample_minibatches(buffer, batch_size, n, env)
         return
     for _ in range(gradient_steps):
         yield 1, buffer.sample(batch_size, env=env)
