@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import stable_baselines3
 import torch as th
+from stable_baselines3.common.distributions import SquashedDiagGaussianDistribution
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.noise import NormalActionNoise
 from stable_baselines3.common.utils import polyak_update
@@ -16,6 +17,7 @@ from sb3_speedups import DDPG, SAC, TD3
 from sb3_speedups.common.nn.optim import FlatAdam
 from sb3_speedups.common.off_policy import training as off_policy_training
 from sb3_speedups.common.off_policy.critics import foreach_polyak_, polyak_
+from sb3_speedups.sac.squashed_gaussian import sample_squashed, squashed_backward
 
 SMALL = dict(learning_starts=10_000, batch_size=64, buffer_size=1_000, seed=5)
 
@@ -161,3 +163,34 @@ def test_minibatches_sampled_in_several_chunks_are_stocks(ours_cls: type, stock_
     monkeypatch.setattr(off_policy_training, "AHEAD_BYTES", 1)  # one minibatch per chunk
     kwargs = {"target_update_interval": 2} if ours_cls is SAC else {"policy_delay": 2}
     test_hand_derived_gradients_equal_stock_autograd(ours_cls, stock_cls, kwargs)
+
+
+def test_squashed_gaussian_backward_equals_autograd_with_clamped_log_std() -> None:
+    """SAC's head: actions, log-probabilities as stock's distribution computes them, and the gradient of
+    ``sum(c * a) + w * sum(log pi)`` by hand and by autograd, with log stds inside and outside ``[-20, 2]``."""
+    gen = th.Generator().manual_seed(0)
+    n, k = 64, 3
+    out = th.randn(n, 2 * k, generator=gen, dtype=th.float64)
+    out[:8, k:] = 3.0  # clamped above
+    out[8:16, k:] = -25.0  # clamped below
+    noise = th.randn(n, k, generator=gen, dtype=th.float64)
+    c = th.randn(n, k, generator=gen, dtype=th.float64)
+    w = th.tensor([0.3], dtype=th.float64)
+    sample = sample_squashed(out, noise)
+    leaf = out.clone().requires_grad_(True)
+    dist = SquashedDiagGaussianDistribution(k).proba_distribution(leaf[:, :k], th.clamp(leaf[:, k:], -20, 2))
+    gaussian = dist.distribution.loc + noise * dist.distribution.scale  # Normal.rsample with this noise
+    actions = th.tanh(gaussian)
+    log_prob = dist.log_prob(actions, gaussian)
+    th.testing.assert_close(sample.actions, actions.detach(), rtol=0, atol=0)
+    th.testing.assert_close(sample.log_prob.view(-1), log_prob.detach(), rtol=1e-12, atol=1e-12)
+    rows = n - 4  # the first rows only, as the actor loss back-propagates the observations' half
+    ((c[:rows] * actions[:rows]).sum() + w * log_prob[:rows].sum()).backward()
+    d_out = squashed_backward(sample, rows, c[:rows].clone(), w)
+    expected = leaf.grad[:rows]
+    # With std = e^-20, autograd's mean gradient adds and subtracts the Gaussian term's +-noise/std (~1e9), which
+    # cancel exactly in maths (ours leaves them out) but cost autograd the digits below 1e9's rounding step.
+    th.testing.assert_close(d_out[8:16, :k], expected[8:16, :k], rtol=0, atol=1e-6)
+    expected[8:16, :k] = d_out[8:16, :k]
+    th.testing.assert_close(d_out, expected, rtol=1e-9, atol=1e-9)
+    assert th.all(d_out[8:16, k:] == 0) and th.all(d_out[:8, k:] == 0)
