@@ -15,6 +15,9 @@ _LAZY = {
     "MaskablePPO": "sb3_speedups.ppo_mask:MaskablePPO",
     "DQN": "sb3_speedups.dqn:DQN",
     "RecurrentPPO": "sb3_speedups.ppo_recurrent:RecurrentPPO",
+    "SAC": "sb3_speedups.sac:SAC",
+    "TD3": "sb3_speedups.td3:TD3",
+    "DDPG": "sb3_speedups.ddpg:DDPG",
 }
 
 __all__ = ["BatchedSubprocVecEnv", "__version__", "make_vec_env", *_LAZY]

@@ -23,10 +23,12 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
 from stable_baselines3.common.vec_env import VecEnv
+from gymnasium.spaces import Box
 
-from sb3_speedups import A2C, DQN, PPO, RecurrentPPO
+from sb3_speedups import A2C, DDPG, DQN, PPO, SAC, TD3, RecurrentPPO
 from sb3_speedups.ppo_mask import MaskablePPO
 from sb3_speedups.ppo_recurrent.collection import frozen_actor_unsupported_reason
+from tests.space_envs import BoxObsEnv
 
 
 def updater_engine(model: BaseAlgorithm) -> str:
@@ -103,12 +105,17 @@ class AlgoCase:
     callback_gaps: frozenset[str] = frozenset()
     marks: tuple[Any, ...] = ()
 
+    def fresh_kwargs(self) -> dict[str, Any]:
+        """:return: the constructor arguments with a fresh ``policy_kwargs`` (SB3's SAC writes into the one given)"""
+        policy_kwargs = self.kwargs.get("policy_kwargs")
+        return self.kwargs if policy_kwargs is None else {**self.kwargs, "policy_kwargs": dict(policy_kwargs)}
+
     def make_ours(self, env: VecEnv | None = None) -> BaseAlgorithm:
-        return self.ours(self.policy, env if env is not None else self.env(), **self.kwargs, **self.ours_kwargs)
+        return self.ours(self.policy, env if env is not None else self.env(), **self.fresh_kwargs(), **self.ours_kwargs)
 
     def make_stock(self, env: VecEnv | None = None) -> BaseAlgorithm:
         assert self.stock is not None
-        return self.stock(self.policy, env if env is not None else self.env(), **self.kwargs)
+        return self.stock(self.policy, env if env is not None else self.env(), **self.fresh_kwargs())
 
     @property
     def on_policy(self) -> bool:
@@ -163,7 +170,8 @@ DQN_SMALL = dict(
     policy_kwargs=dict(net_arch=[32, 32]),
 )
 SEEDED_DQN = {**DQN_SMALL, "seed": 3}
-DQN_CASE = dict(engine_of=updater_engine, engine="HandDerivedQUpdate", learn_steps=700, more_steps=300, exact=("actions",))
+REPLAY_FIELDS = ("observations", "next_observations", "actions", "rewards", "dones", "timeouts")
+DQN_CASE = dict(engine_of=updater_engine, engine="HandDerivedQUpdate", learn_steps=700, more_steps=300, exact=REPLAY_FIELDS)
 RECURRENT_SMALL = dict(n_steps=32, batch_size=64, n_epochs=2, policy_kwargs=dict(lstm_hidden_size=16, net_arch=[16]), seed=0)
 RNN_KWARGS = {**RECURRENT_SMALL["policy_kwargs"], "n_lstm_layers": 2}
 RECURRENT_CASE = dict(
@@ -195,6 +203,44 @@ A2C_BOX = dict(
 
 def dqn_env(n_envs: int) -> Callable[[], VecEnv]:
     return seeded_envs("CartPole-v1", n_envs, 3)
+
+
+OFF_POLICY_SMALL = dict(
+    learning_starts=64,
+    batch_size=32,
+    buffer_size=5_000,
+    train_freq=8,
+    gradient_steps=4,
+    policy_kwargs=dict(net_arch=[32, 32]),
+    seed=3,
+)
+OFF_POLICY_CASE = dict(
+    engine_of=updater_engine,
+    learn_steps=256,
+    more_steps=64,
+    close=("observations", "actions", "rewards"),
+    buffer_atol=1e-5,
+    # float32 sums in another order (batched products, fused Adam): parameters within 3e-7 of stock's after ~100 updates
+    param_atol=1e-6,
+)
+SAC_CASE = {**OFF_POLICY_CASE, "engine": "HandDerivedSACUpdate"}
+TD3_CASE = {**OFF_POLICY_CASE, "engine": "HandDerivedTD3Update"}
+
+
+def image_env(action_space: Box) -> Callable[[], VecEnv]:
+    """:return: a factory of small seeded uint8-image envs (CNN policies)"""
+    return lambda: make_vec_env(lambda: BoxObsEnv(action_space, image=True), n_envs=2, seed=1)
+
+
+def dict_pendulum_env() -> VecEnv:
+    """:return: Pendulum with its observation in a ``Dict`` (``MultiInputPolicy``), seeded"""
+
+    def make() -> gym.Env:
+        env = gym.make("Pendulum-v1", max_episode_steps=20)
+        space = gym.spaces.Dict({"state": env.observation_space})
+        return gym.wrappers.TransformObservation(env, lambda obs: {"state": obs}, space)
+
+    return make_vec_env(make, n_envs=2, seed=3)
 
 
 def masked_env(env_id: str) -> Callable[[], VecEnv]:
@@ -254,15 +300,53 @@ CASES = [
     ),
     AlgoCase("dqn", DQN, stable_baselines3.DQN, dqn_env(1), SEEDED_DQN, **DQN_CASE),
     AlgoCase("dqn-4envs", DQN, stable_baselines3.DQN, dqn_env(4), SEEDED_DQN, **DQN_CASE),
+    AlgoCase("dqn-defaults", DQN, stable_baselines3.DQN, dqn_env(1), {"seed": 3}, **DQN_CASE),
+    AlgoCase("dqn-defaults-2envs", DQN, stable_baselines3.DQN, dqn_env(2), {"seed": 3}, **DQN_CASE),
     AlgoCase("dqn-3step", DQN, stable_baselines3.DQN, dqn_env(1), {**SEEDED_DQN, "n_steps": 3}, **DQN_CASE),
     AlgoCase(
         "dqn-optimize-memory", DQN, stable_baselines3.DQN, dqn_env(2),
         {**SEEDED_DQN, "optimize_memory_usage": True, "replay_buffer_kwargs": dict(handle_timeout_termination=False)},
-        **DQN_CASE,
+        **{**DQN_CASE, "exact": tuple(f for f in REPLAY_FIELDS if f != "next_observations")},
     ),
     AlgoCase(
         "dqn-dueling", DQN, None, dqn_env(1), {**SEEDED_DQN, "policy_kwargs": dict(net_arch=[16, 8], dueling=True)},
         **{**DQN_CASE, "engine": "AutogradQUpdate", "learn_steps": 400},
+    ),
+    AlgoCase("sac", SAC, stable_baselines3.SAC, seeded_envs("Pendulum-v1", 1, 3), OFF_POLICY_SMALL, **SAC_CASE),
+    AlgoCase(
+        "sac-fixed-ent-coef-4envs", SAC, stable_baselines3.SAC, PENDULUM_ENV,
+        {**OFF_POLICY_SMALL, "ent_coef": 0.1, "target_update_interval": 2}, **SAC_CASE,
+    ),
+    AlgoCase(
+        "sac-auto-ent-coef-interval", SAC, stable_baselines3.SAC, PENDULUM_ENV,
+        {**OFF_POLICY_SMALL, "ent_coef": "auto_0.5", "target_update_interval": 3, "target_entropy": -0.5}, **SAC_CASE,
+    ),
+    AlgoCase(
+        "sac-gsde", SAC, stable_baselines3.SAC, PENDULUM_ENV, {**OFF_POLICY_SMALL, "use_sde": True},
+        **{**SAC_CASE, "engine": "AutogradSACUpdate"},
+    ),
+    AlgoCase(
+        "sac-autograd", SAC, stable_baselines3.SAC, seeded_envs("Pendulum-v1", 1, 3), OFF_POLICY_SMALL,
+        ours_kwargs=dict(fast_update=False), **{**SAC_CASE, "engine": "AutogradSACUpdate"},
+    ),
+    AlgoCase(
+        "sac-cnn", SAC, stable_baselines3.SAC, image_env(Box(-1, 1, (2,), np.float32)),
+        {**OFF_POLICY_SMALL, "policy_kwargs": dict(net_arch=[16])}, policy="CnnPolicy",
+        **{**SAC_CASE, "engine": "AutogradSACUpdate", "learn_steps": 160},
+    ),
+    AlgoCase(
+        "sac-dict", SAC, stable_baselines3.SAC, dict_pendulum_env, {**OFF_POLICY_SMALL, "ent_coef": 0.05},
+        policy="MultiInputPolicy", **{**SAC_CASE, "engine": "AutogradSACUpdate", "close": ("actions", "rewards")},
+    ),
+    AlgoCase(
+        "td3", TD3, stable_baselines3.TD3, seeded_envs("Pendulum-v1", 1, 3),
+        {**OFF_POLICY_SMALL, "policy_delay": 2, "target_policy_noise": 0.3, "target_noise_clip": 0.4}, **TD3_CASE,
+    ),
+    AlgoCase("td3-4envs", TD3, stable_baselines3.TD3, PENDULUM_ENV, OFF_POLICY_SMALL, **TD3_CASE),
+    AlgoCase("ddpg", DDPG, stable_baselines3.DDPG, seeded_envs("Pendulum-v1", 1, 3), OFF_POLICY_SMALL, **TD3_CASE),
+    AlgoCase(
+        "td3-autograd", TD3, stable_baselines3.TD3, PENDULUM_ENV, OFF_POLICY_SMALL, ours_kwargs=dict(fast_update=False),
+        **{**TD3_CASE, "engine": "AutogradTD3Update"},
     ),
     AlgoCase(
         "ppo-mask", MaskablePPO, sb3_contrib.MaskablePPO, masked_env("InvalidActionEnvDiscrete-v0"), SEEDED_MASK, **MASK_CASE

@@ -13,7 +13,7 @@ from stable_baselines3.common.vec_env import VecNormalize
 
 from sb3_speedups import DQN
 from sb3_speedups.dqn.update import AutogradQUpdate, HandDerivedQUpdate, huber_
-from sb3_speedups.dqn.replay.sampling import draw_indices, gather, newest_indices, sample_minibatches
+from sb3_speedups.common.replay.sampling import draw_indices, gather, newest_indices, sample_minibatches
 from sb3_speedups.dqn.policies import DuelingMlpPolicy, DuelingQNetwork
 from sb3_speedups.errors import UserError
 from sb3_speedups.registry import get_algo

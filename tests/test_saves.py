@@ -29,8 +29,15 @@ def assert_same_state(a: dict, b: dict) -> None:
             assert th.equal(th.as_tensor(value), th.as_tensor(b[key])), key
 
 
-def adam_steps(model) -> set[float]:
-    return {float(state["step"]) for state in model.policy.optimizer.state.values()}
+def optimizers(model) -> list:
+    """:return: the policy's optimizers (SAC, TD3: the actor's and the critic's)"""
+    optimizer = getattr(model.policy, "optimizer", None)
+    return [optimizer] if optimizer is not None else [model.policy.actor.optimizer, model.policy.critic.optimizer]
+
+
+def adam_steps(model) -> list[set[float]]:
+    """:return: per optimizer, the step counts of its parameters"""
+    return [{float(state["step"]) for state in optimizer.state.values()} for optimizer in optimizers(model)]
 
 
 def assert_same_actions(case: AlgoCase, a, b) -> None:
@@ -49,9 +56,10 @@ def test_ours_load_in_stock_and_stocks_load_in_ours(case: AlgoCase, tmp_path) ->
     stock = case.stock.load(tmp_path / "ours.zip", env=case.env())
     assert type(stock.policy) is case.stock.policy_aliases[case.policy]  # stock rebuilds its own policy class
     assert_same_state(stock.policy.state_dict(), ours.policy.state_dict())
-    assert_same_state(stock.policy.optimizer.state_dict()["state"], ours.policy.optimizer.state_dict()["state"])
+    for stock_optimizer, our_optimizer in zip(optimizers(stock), optimizers(ours), strict=True):
+        assert_same_state(stock_optimizer.state_dict()["state"], our_optimizer.state_dict()["state"])
     saved_steps = adam_steps(ours)
-    assert len(saved_steps) == 1 and min(saved_steps) > 0
+    assert all(len(steps) == 1 and min(steps) > 0 for steps in saved_steps)
     assert_same_actions(case, stock, ours)
     stock.learn(case.more_steps, reset_num_timesteps=False)  # stock keeps training our file
     stock_steps, stock_timesteps = adam_steps(stock), stock.num_timesteps
@@ -63,7 +71,8 @@ def test_ours_load_in_stock_and_stocks_load_in_ours(case: AlgoCase, tmp_path) ->
     loaded.learn(case.more_steps, reset_num_timesteps=False)
     assert case.engine_of(loaded) == case.engine
     # the loaded optimizer state carries on as stock carried on from ours
-    assert adam_steps(loaded) == {max(stock_steps) + max(stock_steps) - max(saved_steps)}
+    expected = [{2 * max(stock) - max(saved)} for stock, saved in zip(stock_steps, saved_steps, strict=True)]
+    assert adam_steps(loaded) == expected
     assert loaded.num_timesteps - stock_timesteps == stock_timesteps - ours.num_timesteps > 0
     assert loaded._n_updates > stock._n_updates
 
@@ -103,7 +112,10 @@ def test_replay_buffer_save_load_round_trip(case: AlgoCase, tmp_path) -> None:
     fresh.load_replay_buffer(tmp_path / "buffer")
     saved, loaded = ours.replay_buffer, fresh.replay_buffer
     assert type(loaded) is type(saved) and (loaded.pos, loaded.full) == (saved.pos, saved.full)
-    arrays = [name for name, value in vars(saved).items() if isinstance(value, np.ndarray)]
+    arrays = {name: value for name, value in vars(saved).items() if isinstance(value, np.ndarray | dict)}
     assert "observations" in arrays
-    for name in arrays:
-        np.testing.assert_array_equal(getattr(loaded, name), getattr(saved, name), err_msg=name)
+    for name, value in arrays.items():
+        parts = value.items() if isinstance(value, dict) else [(None, value)]  # DictReplayBuffer: one array per key
+        for key, array in parts:
+            got = getattr(loaded, name) if key is None else getattr(loaded, name)[key]
+            np.testing.assert_array_equal(got, array, err_msg=f"{name} {key}")

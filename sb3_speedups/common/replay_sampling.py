@@ -1,6 +1,6 @@
-"""Moved to :mod:`sb3_speedups.dqn.replay.sampling`; this path stays importable for saved models, configs and user code."""
+"""Moved to :mod:`sb3_speedups.common.replay.sampling`; this path stays importable for saved models, configs and user code."""
 
-from sb3_speedups.dqn.replay.sampling import (
+from sb3_speedups.common.replay.sampling import (
     IndexDraw,
     batched_sampling_supported,
     draw_indices,

@@ -2,13 +2,16 @@
 DQN as in Stable-Baselines3, faster, with modern replay options. What differs from stock, and why it is faster:
 
 - ``train()`` samples all of its minibatches at once (the same global-RNG draws as stock, then one gather and one
-  tensor conversion: :mod:`sb3_speedups.dqn.replay.sampling`) and computes every TD target with one forward of
+  tensor conversion: :mod:`sb3_speedups.common.replay.sampling`) and computes every TD target with one forward of
   the target network (it is constant inside ``train()``: SB3 updates it in ``_on_step``);
 - each gradient step is :class:`~sb3_speedups.dqn.update.HandDerivedQUpdate` for MLP Q-networks (hand-derived
   gradients, flat parameters, fused Adam, no host sync), else the autograd
   :class:`~sb3_speedups.dqn.update.AutogradQUpdate`; the loss is logged once per ``train()``;
-- actions come from a plain-tensor copy of the Q-network (:class:`~sb3_speedups.common.acting.torch_mlp.TorchMlp`), one
-  call for all envs, synced once per rollout;
+- collection is the shared lean loop (:class:`~sb3_speedups.common.off_policy.collection.FastOffPolicyCollection`);
+  actions come from the Q-network run on plain tensors (:class:`~sb3_speedups.common.acting.torch_mlp.TorchMlp`), one
+  call for all envs: views of the update's flat parameters on the CPU (nothing to sync), else a CPU copy synced once
+  per rollout. Not numpy: its single-row products round differently from torch's, and a flipped argmax would change
+  the run;
 - torch runs on one CPU thread unless the user chose otherwise, except in ``train()`` when the Q-network's matrix
   products are large (batch x layer inputs x outputs >= 2M multiply-adds, e.g. the RL Zoo's 256x256 nets): there
   two threads are faster (:func:`~sb3_speedups.common.torch_utils.update_num_threads`).
@@ -31,10 +34,11 @@ from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
 from sb3_speedups.common.acting.actors import ParameterMirror
 from sb3_speedups.common.acting.torch_mlp import TorchMlp
+from sb3_speedups.common.off_policy.collection import FastOffPolicyCollection
 from sb3_speedups.common.nn.blocked import BlockedMlpForward, forward_in_blocks
 from sb3_speedups.dqn.update import AutogradQUpdate, HandDerivedQUpdate, huber_, q_mlp_unsupported_reason
 from sb3_speedups.dqn.replay.buffers import PrioritizedReplayBuffer, PrioritizedReplayBufferSamples
-from sb3_speedups.dqn.replay.sampling import (
+from sb3_speedups.common.replay.sampling import (
     batchable,
     batched_sampling_supported,
     chunk_sizes,
@@ -68,7 +72,7 @@ class _Speedups:
     target_forward: BlockedMlpForward | None
 
 
-class DQN(stable_baselines3.DQN):
+class DQN(FastOffPolicyCollection, stable_baselines3.DQN):
     """
     Deep Q-Network, a drop-in for :class:`stable_baselines3.DQN` (same arguments, ``learn``, ``predict``, saved
     files); see :class:`stable_baselines3.DQN` for every argument not listed here. ``policy_kwargs`` may hold
@@ -176,12 +180,17 @@ class DQN(stable_baselines3.DQN):
             AutogradQUpdate(self.policy) if reason else HandDerivedQUpdate(self.policy)
         )
         mirror, actor, target_forward = None, None, None
-        if reason is None:
+        if isinstance(updater, HandDerivedQUpdate):
             target_forward = BlockedMlpForward.from_sequential(self.q_net_target.q_net)
-            params = list(self.q_net.parameters())
-            mirror = ParameterMirror(params, "cpu")
-            lookup = {id(p): c for p, c in zip(params, mirror.copies, strict=True)}
-            actor = TorchMlp.from_module(self.q_net.q_net, lambda t: lookup[id(t)])
+            if self.device.type == "cpu":
+                # The parameters live in the update's flat buffer, updated in place: acting reads plain views of it,
+                # always current, so there is no copy to sync.
+                actor = TorchMlp.from_module(self.q_net.q_net, updater.flat.data_of)
+            else:
+                params = list(self.q_net.parameters())
+                mirror = ParameterMirror(params, "cpu")
+                lookup = {id(p): c for p, c in zip(params, mirror.copies, strict=True)}
+                actor = TorchMlp.from_module(self.q_net.q_net, lambda t: lookup[id(t)])
         elif self.verbose >= 1:
             print(f"sb3_speedups DQN: using the autograd update ({reason})")
         online = [*self.q_net.parameters(), *self.batch_norm_stats]
@@ -208,9 +217,11 @@ class DQN(stable_baselines3.DQN):
         if np.random.rand() < self.exploration_rate:
             actions = np.array([self.action_space.sample() for _ in range(n_envs)])
         else:
-            obs = np.asarray(self._last_obs)
             # The actor's weights are plain tensors (no autograd), so no grad-mode context is needed.
-            actions = speed.actor(th.as_tensor(obs).reshape(obs.shape[0], -1).float()).argmax(dim=1).numpy()
+            obs = th.as_tensor(self._last_obs)
+            if obs.dim() != 2:
+                obs = obs.reshape(obs.shape[0], -1)
+            actions = speed.actor(obs if obs.dtype == th.float32 else obs.float()).argmax(dim=1).numpy()
         return actions, actions
 
     def _on_step(self) -> None:
@@ -242,7 +253,7 @@ class DQN(stable_baselines3.DQN):
     def train(self, gradient_steps: int, batch_size: int = 100) -> None:
         """Update the Q-network on ``gradient_steps`` minibatches: SB3's DQN loss, minus its per-step overheads."""
         speed = self._ensure_speedups()
-        self.policy.set_training_mode(True)
+        self._set_training_mode(True)
         self._update_learning_rate(self.policy.optimizer)
         tds: list[th.Tensor] = []
         weights: list[th.Tensor] | None = None
@@ -259,8 +270,6 @@ class DQN(stable_baselines3.DQN):
                     data = self.replay_buffer.sample(batch_size, env=self._vec_normalize_env)  # type: ignore[union-attr]
                     tds.append(self._step(speed.updater, data, None))
         self._n_updates += gradient_steps
-        if speed.mirror is not None:
-            speed.mirror.sync()
         self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
         if tds:
             # Every minibatch has batch_size rows: the mean over all of them is the mean of the per-step losses.

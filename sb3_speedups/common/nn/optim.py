@@ -335,10 +335,11 @@ class FlatOptimizerStep:
                     self.flat.grad_of(p).copy_(p.grad)
             self._attach()
 
-    def step(self, max_grad_norm: float) -> None:
-        """Clip the gradient's norm to ``max_grad_norm`` and take one optimizer step."""
+    def step(self, max_grad_norm: float | None = None) -> None:
+        """Clip the gradient's norm to ``max_grad_norm`` (``None``: no clipping) and take one optimizer step."""
         if self.flat is None or self.flat_optimizer is None:
-            th.nn.utils.clip_grad_norm_(self.module.parameters(), max_grad_norm)
+            if max_grad_norm is not None:
+                th.nn.utils.clip_grad_norm_(self.module.parameters(), max_grad_norm)
             self.optimizer.step()
             return
-        self.flat_optimizer.step(self.flat.clip_divisor(max_grad_norm))
+        self.flat_optimizer.step(None if max_grad_norm is None else self.flat.clip_divisor(max_grad_norm))

@@ -77,6 +77,8 @@ class MlpChain:
         self.grad_weights_t = [g.transpose(1, 2) for g in self.grad_weights]
         self.ws: dict[int, _Workspace] = {}
         self._input: _Input | None = None
+        # row-cut views of a workspace and its input, for backward passes over the first rows of a forward
+        self._cuts: dict[tuple[int, int], tuple[_Workspace, _Input, th.Tensor, th.Tensor]] = {}
 
     @th.inference_mode(False)
     def _workspace(self, n: int, x: th.Tensor) -> _Workspace:
@@ -126,11 +128,16 @@ class MlpChain:
             return x
         return self._torch_(x)
 
-    def backward(self, d_last: th.Tensor) -> None:
-        """Write the weight and bias gradients, given the gradient of the last activations (overwritten)."""
-        n = d_last.shape[1]
-        ws, given, backward_ = self.ws[n], self._input, self._backward
-        assert given is not None
+    def backward(self, d_last: th.Tensor, n: int | None = None) -> None:
+        """
+        Write the weight and bias gradients, given the gradient of the last activations (overwritten).
+
+        :param d_last: ``[G, rows, out]``, for the first ``rows`` rows of the last forward
+        :param n: the row count of that forward, when it ran more rows than ``d_last`` has (an off-policy actor runs
+            the observations and the next observations in one forward and back-propagates the first half only)
+        """
+        ws, h, h_t = self._rows(d_last, n)
+        backward_ = self._backward
         d = d_last
         d_t = ws.grads_t[-1] if d_last is ws.grads[-1] else d_last.transpose(1, 2)
         for k in range(len(self.weights) - 1, -1, -1):
@@ -138,14 +145,50 @@ class MlpChain:
             gw = self.grad_weights[k]
             if gw.shape[2] < gw.shape[1]:
                 # [out, n] @ [n, in] with a narrow `in` is a poor GEMM shape; its transpose is not.
-                below_t = ws.acts_t[k - 1] if k > 0 else given.h_t
+                below_t = ws.acts_t[k - 1] if k > 0 else h_t
                 self.grad_weights_t[k].copy_(th.bmm(below_t, d))
             else:
-                th.bmm(d_t, ws.acts[k - 1] if k > 0 else given.h, out=gw)
+                th.bmm(d_t, ws.acts[k - 1] if k > 0 else h, out=gw)
             th.sum(d, 1, out=self.grad_biases[k])
             if k > 0:
                 d = th.bmm(d, self.weights[k], out=ws.grads[k - 1])
                 d_t = ws.grads_t[k - 1]
+
+    def _rows(self, d_last: th.Tensor, n: int | None) -> tuple[_Workspace, th.Tensor, th.Tensor]:
+        """:return: the workspace of the last forward and its input, cut to ``d_last``'s rows"""
+        rows = d_last.shape[1]
+        ws, given = self.ws[rows if n is None else n], self._input
+        assert given is not None, "backward before forward"
+        if n is None or n == rows:
+            return ws, given.h, given.h_t
+        cut = self._cuts.get((n, rows))
+        if cut is None or cut[1] is not given:
+            part = _Workspace(
+                [a[:, :rows] for a in ws.acts],
+                [g[:, :rows] for g in ws.grads],
+                [a[:, :, :rows] for a in ws.acts_t],
+                [g[:, :, :rows] for g in ws.grads_t],
+                None,
+            )
+            cut = self._cuts[(n, rows)] = (part, given, given.h[:, :rows], given.h_t[:, :, :rows])
+        return cut[0], cut[2], cut[3]
+
+    def backward_input(self, d_last: th.Tensor, columns: slice) -> th.Tensor:
+        """
+        Back-propagate to the input only (no weight gradients): what a loss that trains another network through
+        this one needs (an off-policy actor's loss through the critics).
+
+        :param d_last: gradient of the last activations ``[G, n, out]`` of the last forward (overwritten)
+        :param columns: the input columns whose gradient is wanted
+        :return: the gradient of those input columns ``[G, n, len(columns)]`` (a new tensor)
+        """
+        ws, backward_ = self.ws[d_last.shape[1]], self._backward
+        d = d_last
+        for k in range(len(self.weights) - 1, 0, -1):
+            backward_(d, ws.acts[k])
+            d = th.bmm(d, self.weights[k], out=ws.grads[k - 1])
+        backward_(d, ws.acts[0])
+        return th.bmm(d, self.weights[0][:, :, columns])
 
     @th.no_grad()
     def forward_one(self, x: th.Tensor, g: int) -> th.Tensor:

@@ -11,7 +11,7 @@ view of the storage, because SB3's ``_get_samples`` chooses env indices at rando
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch as th
@@ -20,7 +20,7 @@ from stable_baselines3.common.buffers import NStepReplayBuffer, ReplayBuffer
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from stable_baselines3.common.vec_env import VecNormalize
 
-from sb3_speedups.dqn.replay.sampling import newest_indices
+from sb3_speedups.common.replay.sampling import newest_indices
 from sb3_speedups.dqn.replay.sum_tree import SumTree
 
 __all__ = ["PrioritizedReplayBuffer", "PrioritizedReplayBufferSamples", "newest_indices"]
@@ -62,6 +62,9 @@ class PrioritizedReplayBuffer(ReplayBuffer):
     :param n_steps: Number of steps of the n-step return (1: plain one-step transitions)
     :param gamma: Discount factor of the n-step return (only used when ``n_steps > 1``)
     """
+
+    #: ``add`` copies what it is given (SB3's ``add``): the collection loop may skip its defensive copies
+    add_keeps_no_references: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -1,0 +1,103 @@
+"""
+Frozen plain-tensor copies of SAC's and TD3's (DDPG's) MLP actors for collection, synced after every ``train()``,
+and the ``_sample_action`` that acts from them.
+
+They run torch's own kernels on the copies (:class:`~sb3_speedups.common.acting.torch_mlp.TorchMlp`) and draw SAC's
+noise from torch's global RNG as ``torch.distributions.Normal.rsample`` does, so the actions are stock's bit for bit
+(a numpy forward would differ in the last bits, and could not draw torch's Gaussian noise). What they save is
+``policy.predict``'s per-call overhead (checks, modes, module calls).
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import numpy as np
+import torch as th
+from gymnasium import spaces
+from stable_baselines3.common.noise import ActionNoise
+from stable_baselines3.common.off_policy_algorithm import OffPolicyAlgorithm
+from stable_baselines3.sac.policies import Actor as SACActor
+from stable_baselines3.td3.policies import Actor as TD3Actor
+from torch import nn
+
+from sb3_speedups.common.acting.actors import ParameterMirror, box_env_actions
+from sb3_speedups.common.acting.torch_mlp import TorchMlp
+
+# SB3's bounds on SAC's log standard deviation
+_LOG_STD_MIN, _LOG_STD_MAX = -20.0, 2.0
+
+
+class FrozenOffPolicyActor:
+    """
+    A copy of a stock SAC or TD3 ``Actor`` with an MLP on flat ``Box`` observations (no gSDE), on the CPU.
+
+    :param actor: the actor (its ``latent_pi``, ``mu`` and ``log_std`` for SAC; its ``mu`` for TD3)
+    """
+
+    def __init__(self, actor: SACActor | TD3Actor) -> None:
+        params = list(actor.parameters())
+        self.mirror = ParameterMirror(params, "cpu")
+        lookup = {id(p): c for p, c in zip(params, self.mirror.copies, strict=True)}
+
+        def mirrored(t: th.Tensor) -> th.Tensor:
+            return lookup[id(t)]
+
+        self.squashed_gaussian = isinstance(actor, SACActor)
+        # SAC: latent, then the mean and the log std as two products (as stock's two Linear calls)
+        modules = [actor.latent_pi, actor.mu, cast(nn.Module, actor.log_std)] if isinstance(actor, SACActor) else [actor.mu]
+        self.nets = [TorchMlp.from_module(module, mirrored) for module in modules]
+
+    def sync(self) -> None:
+        """Refresh the copy from the actor."""
+        self.mirror.sync()
+
+    def __call__(self, obs: th.Tensor) -> th.Tensor:
+        """:return: sampled (SAC) or deterministic (TD3) actions in ``[-1, 1]`` of flat observations ``[n, obs_dim]``"""
+        if not self.squashed_gaussian:
+            return self.nets[0](obs)
+        latent = self.nets[0](obs)
+        mean = self.nets[1](latent)
+        log_std = th.clamp(self.nets[2](latent), _LOG_STD_MIN, _LOG_STD_MAX)
+        std = th.ones_like(mean) * log_std.exp()
+        return th.tanh(mean + th.empty_like(mean).normal_() * std)
+
+
+class FrozenActorSampling(OffPolicyAlgorithm):
+    """
+    Mixin for our SAC and TD3: ``_sample_action`` acts from the frozen copy in ``self._speedups.actor`` (``None``:
+    stock's acting). The algorithm builds it in ``_ensure_speedups()`` and syncs it after each ``train()``; it is
+    synced here before each collection too.
+    """
+
+    _speedups: Any
+
+    def _ensure_speedups(self) -> Any:
+        raise NotImplementedError
+
+    def _frozen_actor(self) -> FrozenOffPolicyActor | None:
+        """:return: the frozen actor as built now (cheap: for every env step)"""
+        return None if self._speedups is None else self._speedups.actor
+
+    def collect_rollouts(self, *args: Any, **kwargs: Any) -> Any:
+        actor = self._ensure_speedups().actor
+        if actor is not None:
+            actor.sync()  # the parameters may have been loaded or set since the last train()
+        return super().collect_rollouts(*args, **kwargs)
+
+    def _sample_action(
+        self, learning_starts: int, action_noise: ActionNoise | None = None, n_envs: int = 1
+    ) -> tuple[np.ndarray, np.ndarray]:
+        actor = self._frozen_actor()
+        warmup = self.num_timesteps < learning_starts and not (self.use_sde and self.use_sde_at_warmup)
+        if actor is None or warmup or self._last_obs is None or not isinstance(self.action_space, spaces.Box):
+            return super()._sample_action(learning_starts, action_noise, n_envs)
+        obs = np.asarray(self._last_obs)
+        with th.inference_mode():
+            actions = actor(th.as_tensor(obs).reshape(obs.shape[0], -1).float()).numpy()
+        # what stock's policy.predict returns, then stock's _sample_action from there
+        unscaled = box_env_actions(self.policy, self.action_space)(actions.reshape(-1, *self.action_space.shape))
+        scaled = self.policy.scale_action(unscaled)
+        if action_noise is not None:
+            scaled = np.clip(scaled + action_noise(), -1, 1)
+        return self.policy.unscale_action(scaled), scaled

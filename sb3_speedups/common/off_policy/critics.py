@@ -1,0 +1,208 @@
+"""
+The critics of SAC, TD3 and DDPG (SB3's ``ContinuousCritic``: ``n_critics`` MLPs on ``[obs, action]``) with
+hand-derived gradients, and the flat-buffer pieces their updates share.
+
+The ``n_critics`` equally shaped networks lie side by side in one flat buffer and run as one batched product per
+layer (:class:`~sb3_speedups.common.nn.training.MlpChain` with ``G = n_critics``); their target copy lies in a second
+flat buffer of the same layout, so the polyak update is two element-wise kernels over the whole buffer. The maths:
+docs/maths.md, "Off-policy critics".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch as th
+from gymnasium import spaces
+from stable_baselines3.common.policies import ContinuousCritic
+from stable_baselines3.common.preprocessing import is_image_space
+from stable_baselines3.common.torch_layers import FlattenExtractor
+from torch import nn
+
+from sb3_speedups.common.nn.flat import FlatParameters
+from sb3_speedups.common.nn.mlp import Mlp, parse_output_mlp
+from sb3_speedups.common.nn.optim import FlatAdam, adam_unsupported_reason
+from sb3_speedups.common.nn.training import MlpChain
+
+
+def flat_box_reason(space: spaces.Space, features_extractor: nn.Module) -> str | None:
+    """:return: why a network on ``space`` is not a plain MLP on flat ``Box`` observations, or ``None``"""
+    if not isinstance(space, spaces.Box) or is_image_space(space):
+        return f"observation space {type(space).__name__} is not a flat Box"
+    if type(features_extractor) is not FlattenExtractor:
+        return f"features extractor {type(features_extractor).__name__} is not FlattenExtractor"
+    return None
+
+
+def critic_unsupported_reason(critic: ContinuousCritic, optimizer: th.optim.Optimizer) -> str | None:
+    """:return: why :class:`StackedCritics` cannot run ``critic`` (trained by ``optimizer``), or ``None``"""
+    if type(critic) is not ContinuousCritic:
+        return f"critic class {type(critic).__name__} is not the stock ContinuousCritic"
+    reason = flat_box_reason(critic.observation_space, critic.features_extractor)
+    if reason is not None:
+        return reason
+    mlps = [parse_output_mlp(q) for q in critic.q_networks]
+    for mlp in mlps:
+        if isinstance(mlp, str):
+            return f"critic: {mlp}"
+        if len(mlp.layers) < 2:
+            return "critic has no hidden layer"
+    if any(p.dtype != th.float32 for p in critic.parameters()):
+        return "critic parameters are not float32"
+    return adam_unsupported_reason(optimizer, list(critic.parameters()))
+
+
+def stacked_layout(mlps: Sequence[Mlp]) -> list[th.Tensor]:
+    """:return: the networks' tensors ordered layer by layer, each tensor of all networks side by side (stackable)"""
+    return [
+        t
+        for layers in zip(*(m.layers for m in mlps), strict=True)
+        for t in (*(lay.weight for lay in layers), *(lay.bias for lay in layers))
+        if t is not None
+    ]  # type: ignore[misc]
+
+
+def polyak_(target: th.Tensor, source: th.Tensor, tau: float) -> None:
+    """``target = (1 - tau) * target + tau * source`` with the element-wise operations of SB3's ``polyak_update``."""
+    target.mul_(1 - tau).add_(source, alpha=tau)
+
+
+@th.no_grad()
+def foreach_polyak_(targets: Sequence[th.Tensor], sources: Sequence[th.Tensor], tau: float) -> None:
+    """:func:`polyak_` of every tensor of ``targets`` (parameters anywhere), two kernel calls in all"""
+    th._foreach_mul_(list(targets), 1 - tau)
+    th._foreach_add_(list(targets), list(sources), alpha=tau)
+
+
+@contextmanager
+def without_weight_gradients(module: nn.Module) -> Iterator[None]:
+    """
+    Autograd computes no gradient for ``module``'s parameters inside the block (a loss that trains another network
+    through ``module`` needs only the gradient of its inputs).
+    """
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
+@dataclass
+class _Head:
+    """The output layers ``[G, 1, width]`` of the stacked critics: views, their transposes and their gradients."""
+
+    weight: th.Tensor
+    weight_t: th.Tensor
+    bias: th.Tensor
+    grad_weight: th.Tensor
+    grad_bias: th.Tensor
+
+
+def _head(flat: FlatParameters, mlps: Sequence[Mlp], count: int) -> _Head:
+    last = [m.layers[-1] for m in mlps[:count]]
+    weight = flat.stacked([lay.weight for lay in last])
+    bias = flat.stacked([lay.bias for lay in last if lay.bias is not None]).unsqueeze(1)
+    grad_weight = flat.stacked([lay.weight for lay in last], grad=True)
+    grad_bias = flat.stacked([lay.bias for lay in last if lay.bias is not None], grad=True)
+    return _Head(weight, weight.transpose(1, 2), bias, grad_weight, grad_bias)
+
+
+class StackedCritics:
+    """
+    Hand-derived forward and backward of a ``ContinuousCritic`` and the forward of its target copy (check
+    :func:`critic_unsupported_reason` first). Building it moves both networks' parameters into flat buffers.
+
+    :param critic: the critics
+    :param critic_target: their target copy (same architecture)
+    :param optimizer: the critics' Adam (runs fused over the flat buffer)
+    """
+
+    def __init__(self, critic: ContinuousCritic, critic_target: ContinuousCritic, optimizer: th.optim.Optimizer) -> None:
+        reason = critic_unsupported_reason(critic, optimizer)
+        if reason is not None:
+            raise ValueError(reason)
+        self.critic, self.critic_target = critic, critic_target
+        self.obs_dim = int(critic.features_extractor.features_dim)
+        online = [parse_output_mlp(q) for q in critic.q_networks]
+        target = [parse_output_mlp(q) for q in critic_target.q_networks]
+        assert all(isinstance(m, Mlp) for m in (*online, *target))
+        mlps: list[Mlp] = online  # type: ignore[assignment]
+        target_mlps: list[Mlp] = target  # type: ignore[assignment]
+        self.groups = len(mlps)
+        self.flat = FlatParameters(list(critic.parameters()), stacked_layout(mlps))
+        self.target_flat = FlatParameters(list(critic_target.parameters()), stacked_layout(target_mlps))
+        self.adam = FlatAdam(self.flat, optimizer)
+        self.chain = MlpChain(self.flat, [m.head()[0] for m in mlps])
+        # the first critic alone, on the same views (TD3's and DDPG's actor loss reads only it)
+        self.first_chain = MlpChain(self.flat, [mlps[0].head()[0]])
+        self.target_chain = MlpChain(self.target_flat, [m.head()[0] for m in target_mlps])
+        self.head = _head(self.flat, mlps, self.groups)
+        self.first_head = _head(self.flat, mlps, 1)
+        self.target_head = _head(self.target_flat, target_mlps, self.groups)
+        self._q: dict[tuple[int, int], th.Tensor] = {}
+
+    def is_bound(self) -> bool:
+        """:return: whether the parameters and the optimizer state still live in the flat buffers"""
+        return self.flat.is_bound() and self.target_flat.is_bound() and self.adam.is_bound()
+
+    def _out(self, head: _Head, h: th.Tensor, key: int) -> th.Tensor:
+        out = self._q.get((key, h.shape[1]))
+        if out is None:
+            with th.inference_mode(False):
+                out = self._q[(key, h.shape[1])] = th.empty(h.shape[0], h.shape[1], 1, device=h.device)
+        return th.baddbmm(head.bias, h, head.weight_t, out=out)
+
+    def target_min(self, x: th.Tensor) -> th.Tensor:
+        """:return: the smallest target critic value ``[n, 1]`` of inputs ``x = [next_obs, next_actions]``"""
+        return th.amin(self._out(self.target_head, self.target_chain.forward(x), 0), dim=0)
+
+    def q_values(self, x: th.Tensor) -> th.Tensor:
+        """:return: every critic's values ``[G, n, 1]`` of inputs ``[obs, actions]`` (a buffer the next call reuses)"""
+        return self._out(self.head, self.chain.forward(x), 1)
+
+    def first_q_values(self, x: th.Tensor) -> th.Tensor:
+        """:return: the first critic's values ``[1, n, 1]`` (a buffer the next call reuses)"""
+        return self._out(self.first_head, self.first_chain.forward(x), 2)
+
+    def step(self, x: th.Tensor, target: th.Tensor, scale: float) -> th.Tensor:
+        """
+        One Adam step on ``scale * sum_g mean((Q_g(x) - target) ** 2)``.
+
+        :param x: inputs ``[obs, actions]`` ``[n, obs_dim + action_dim]``
+        :param target: TD targets ``[n, 1]``
+        :param scale: 0.5 for SAC's loss, 1 for TD3's
+        :return: the loss (0-dim)
+        """
+        n = x.shape[0]
+        diff = self.q_values(x).sub_(target)
+        loss = th.mul(th.sum(th.square(diff)), scale / n)
+        diff.mul_(2 * scale / n)  # now dL/dQ
+        head = self.head
+        th.bmm(diff.transpose(1, 2), self.chain.ws[n].acts[-1], out=head.grad_weight)
+        th.sum(diff, 1, out=head.grad_bias)
+        d_last = self.chain.last_grad(n)
+        th.bmm(diff, head.weight, out=d_last)
+        self.chain.backward(d_last)
+        self.adam.step()
+        return loss
+
+    def action_grad(self, d_q: th.Tensor, first: bool = False) -> th.Tensor:
+        """
+        :param d_q: the loss's gradient with respect to the values of the last :meth:`q_values` (or
+            :meth:`first_q_values` with ``first``) ``[G, n, 1]``
+        :return: the loss's gradient with respect to the actions of that forward ``[n, action_dim]``, through the
+            critics' current weights (no weight gradients are computed)
+        """
+        chain, head = (self.first_chain, self.first_head) if first else (self.chain, self.head)
+        d_last = th.bmm(d_q, head.weight, out=chain.last_grad(d_q.shape[1]))
+        d_actions = chain.backward_input(d_last, slice(self.obs_dim, None))
+        return d_actions[0] if d_actions.shape[0] == 1 else d_actions.sum(0)
+
+    def polyak(self, tau: float) -> None:
+        """Move the target critics towards the critics (SB3's ``polyak_update`` over the whole flat buffer)."""
+        polyak_(self.target_flat.data, self.flat.data, tau)

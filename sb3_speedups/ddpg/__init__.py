@@ -1,0 +1,5 @@
+"""Fast drop-in DDPG."""
+
+from sb3_speedups.ddpg.ddpg import DDPG
+
+__all__ = ["DDPG"]

@@ -1,0 +1,154 @@
+"""
+SAC as in Stable-Baselines3, faster. What differs from stock, and why it is faster:
+
+- ``train()`` samples its minibatches many at a time (the same global-RNG draws as stock:
+  :mod:`sb3_speedups.common.replay.sampling`) and lays them out once (:mod:`sb3_speedups.common.off_policy.batches`);
+- each gradient step is :class:`~sb3_speedups.sac.update.HandDerivedSACUpdate` for MLP policies (hand-derived
+  gradients, stacked critics, flat parameters, fused Adam, no host sync), the same steps as stock's with the same
+  torch RNG draws; the losses are logged once per ``train()``;
+- torch runs on one CPU thread unless the user chose otherwise, except in ``train()`` when the matrix products are
+  large (the RL Zoo's 256x256 nets): there two threads are faster.
+
+gSDE, CNN and ``Dict`` observations, custom policies and optimizers run
+:class:`~sb3_speedups.sac.update.AutogradSACUpdate` (stock's losses through autograd, flat fused Adam, no critic weight
+gradients for the actor loss, minibatches sampled ahead).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import stable_baselines3
+import torch as th
+
+from sb3_speedups.common.acting.off_policy import FrozenActorSampling, FrozenOffPolicyActor
+from sb3_speedups.common.off_policy.collection import FastOffPolicyCollection
+from sb3_speedups.common.off_policy.training import check_tau, largest_linear, mean_of, minibatches, split_minibatches
+from sb3_speedups.common.torch_utils import apply_num_threads, num_threads_during, update_num_threads
+from sb3_speedups.errors import UserValueError
+from sb3_speedups.sac.update import AutogradSACUpdate, HandDerivedSACUpdate, SACStepLosses, sac_unsupported_reason
+
+
+def check_ent_coef(ent_coef: Any) -> None:
+    """
+    Raise a one-line ``ValueError`` for an entropy coefficient string stock SAC cannot read (where it raises a bare
+    one): ``"auto"`` (any string starting so), ``"auto_<initial value>"`` or a number.
+    """
+    if not isinstance(ent_coef, str):
+        return
+    value = ent_coef.split("_")[1] if ent_coef.startswith("auto") and "_" in ent_coef else ent_coef
+    if value.startswith("auto"):
+        return
+    try:
+        float(value)
+    except ValueError:
+        raise UserValueError(
+            f"ent_coef={ent_coef!r} is invalid: use 'auto', 'auto_<initial value>' (e.g. 'auto_0.1') or a number"
+        ) from None
+
+
+@dataclass
+class _Speedups:
+    """Speed-only state, rebuilt when the policy or its optimizer state is replaced (never saved)."""
+
+    updater: HandDerivedSACUpdate | AutogradSACUpdate
+    fallback_reason: str | None
+    #: inputs x outputs of the largest ``Linear`` layer (for the update's thread count)
+    largest_linear: int
+    #: the actor's frozen copy that acts during collection (with the hand-derived update), else ``None``
+    actor: FrozenOffPolicyActor | None
+
+
+class SAC(FrozenActorSampling, FastOffPolicyCollection, stable_baselines3.SAC):
+    """
+    Soft Actor-Critic, a drop-in for :class:`stable_baselines3.SAC` (same arguments, ``learn``, ``predict``, saved
+    files); see :class:`stable_baselines3.SAC` for every argument not listed here.
+
+    :param num_threads: torch CPU threads; ``None`` keeps a value the user set, else uses the package default (1)
+    :param fast_update: use the hand-derived update for MLP policies (``False`` forces the autograd update)
+    """
+
+    def __init__(
+        self,
+        policy: Any,
+        env: Any,
+        *,
+        num_threads: int | None = None,
+        fast_update: bool = True,
+        _init_setup_model: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        check_ent_coef(kwargs.get("ent_coef", "auto"))
+        check_tau(kwargs.get("tau", 0.005))
+        super().__init__(policy, env, _init_setup_model=False, **kwargs)
+        self.num_threads = num_threads
+        self.fast_update = fast_update
+        self._speedups: _Speedups | None = None
+        if _init_setup_model:
+            self._setup_model()
+
+    def _setup_model(self) -> None:
+        apply_num_threads(self.num_threads)
+        super()._setup_model()
+        self._speedups = None
+
+    def _excluded_save_params(self) -> list[str]:
+        return [*super()._excluded_save_params(), "_speedups"]
+
+    def fast_path_unsupported_reason(self) -> str | None:
+        """:return: why the hand-derived update cannot run this model (so the autograd one does), or ``None``"""
+        if not self.fast_update:
+            return "fast_update=False"
+        return sac_unsupported_reason(self.policy, self.use_sde)
+
+    def _ensure_speedups(self) -> _Speedups:
+        speed = self._speedups
+        if speed is not None and speed.updater.policy is self.policy and speed.updater.is_bound():
+            return speed
+        reason = self.fast_path_unsupported_reason()
+        assert isinstance(self.target_entropy, float)
+        ent = (self.log_ent_coef, self.ent_coef_optimizer, getattr(self, "ent_coef_tensor", None), self.target_entropy)
+        updater: HandDerivedSACUpdate | AutogradSACUpdate
+        if reason is None:
+            updater = HandDerivedSACUpdate(self.policy, *ent)
+        else:
+            updater = AutogradSACUpdate(self.policy, *ent, use_sde=self.use_sde)
+            if self.verbose >= 1:
+                print(f"sb3_speedups SAC: using the autograd update ({reason})")
+        actor = FrozenOffPolicyActor(self.actor) if reason is None else None
+        self._speedups = _Speedups(updater, reason, largest_linear(self.actor, self.critic), actor)
+        return self._speedups
+
+    def train(self, gradient_steps: int, batch_size: int = 64) -> None:
+        """Stock's SAC gradient steps (the same updates), hand-derived where the networks allow, else through autograd."""
+        speed = self._ensure_speedups()
+        updater = speed.updater
+        self._set_training_mode(True)
+        optimizers = [self.actor.optimizer, self.critic.optimizer]
+        if self.ent_coef_optimizer is not None:
+            optimizers.append(self.ent_coef_optimizer)
+        self._update_learning_rate(optimizers)
+        losses = SACStepLosses([], [], [], [])
+        threads = update_num_threads(batch_size * speed.largest_linear, self.num_threads, self.device)
+        interval = self.target_update_interval
+        if isinstance(updater, AutogradSACUpdate):
+            with num_threads_during(threads):
+                for i, data in enumerate(split_minibatches(self, gradient_steps, batch_size)):
+                    updater.step(data, self.gamma, i % interval == 0, self.tau, losses)
+        else:
+            # The hand-derived update needs no autograd: without its dispatch every op is cheaper.
+            with num_threads_during(threads), th.inference_mode():
+                for first, batches in minibatches(self, gradient_steps, batch_size):
+                    for k in range(batches.rewards.shape[0]):
+                        updater.step(batches, k, (first + k) % interval == 0, self.tau, losses)
+        self._n_updates += gradient_steps
+        if speed.actor is not None:
+            speed.actor.sync()
+        self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
+        self.logger.record("train/ent_coef", mean_of(losses.ent_coef))
+        self.logger.record("train/actor_loss", mean_of(losses.actor))
+        self.logger.record("train/critic_loss", mean_of(losses.critic))
+        if losses.ent_coef_loss:
+            self.logger.record("train/ent_coef_loss", mean_of(losses.ent_coef_loss))
+        return None

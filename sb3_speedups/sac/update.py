@@ -1,0 +1,266 @@
+"""
+SAC's gradient steps with hand-derived gradients, for MLP policies on flat ``Box`` observations (stock ``Actor`` and
+``ContinuousCritic``, no gSDE, Adam): the same steps as ``stable_baselines3.SAC.train`` with less arithmetic and
+fewer operations:
+
+- the actor runs the observations and the next observations in one forward (the actor does not change between the
+  two in stock's step either), and only the first half is back-propagated;
+- the critics run as one batched product per layer, the target critics once per step;
+- the actor loss back-propagates through the critics to the actions only (stock also computes the critics' weight
+  gradients there, and discards them);
+- one fused Adam per network over its flat buffer, the polyak update over the whole flat buffer, no host sync
+  (the losses are kept as tensors and read once per ``train()``).
+
+The maths and the tests that check it: docs/maths.md, "SAC actor" and "Off-policy critics".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import cast
+
+import torch as th
+import torch.nn.functional as F
+from stable_baselines3.common.type_aliases import ReplayBufferSamples
+from stable_baselines3.sac.policies import Actor, SACPolicy
+
+from sb3_speedups.common.nn.flat import FlatParameters
+from sb3_speedups.common.nn.mlp import Mlp, parse_mlp
+from sb3_speedups.common.nn.optim import FlatAdam, FlatOptimizerStep, adam_unsupported_reason
+from sb3_speedups.common.off_policy.actor_net import ActorNet
+from sb3_speedups.common.off_policy.critics import (
+    StackedCritics,
+    critic_unsupported_reason,
+    flat_box_reason,
+    foreach_polyak_,
+    without_weight_gradients,
+)
+from sb3_speedups.common.off_policy.batches import OffPolicyBatches
+from sb3_speedups.sac.squashed_gaussian import sample_squashed, squashed_backward
+
+
+def sac_unsupported_reason(policy: SACPolicy, use_sde: bool) -> str | None:
+    """:return: why :class:`HandDerivedSACUpdate` cannot run ``policy``, or ``None`` when it can"""
+    if use_sde:
+        return "gSDE"
+    actor = policy.actor
+    if type(actor) is not Actor:
+        return f"actor class {type(actor).__name__} is not the stock Actor"
+    reason = flat_box_reason(actor.observation_space, actor.features_extractor)
+    if reason is not None:
+        return reason
+    hidden = parse_mlp(actor.latent_pi)
+    if isinstance(hidden, str) or not hidden.layers:
+        return f"actor: {hidden}" if isinstance(hidden, str) else "actor has no hidden layer"
+    reason = hidden.trainable_reason()
+    if reason is not None:
+        return f"actor: {reason}"
+    if type(actor.mu) is not th.nn.Linear or type(actor.log_std) is not th.nn.Linear:
+        return "actor heads are not Linear layers"
+    if any(p.dtype != th.float32 for p in actor.parameters()):
+        return "actor parameters are not float32"
+    reason = adam_unsupported_reason(actor.optimizer, list(actor.parameters()))
+    return reason or critic_unsupported_reason(policy.critic, policy.critic.optimizer)
+
+
+@dataclass
+class SACStepLosses:
+    """Per gradient step values of one ``train()`` call, kept as tensors (read once at its end)."""
+
+    actor: list[th.Tensor]
+    critic: list[th.Tensor]
+    ent_coef: list[th.Tensor]
+    ent_coef_loss: list[th.Tensor]
+
+
+class HandDerivedSACUpdate:
+    """
+    SAC's gradient step (check :func:`sac_unsupported_reason` first). Building it moves the actor's, the critics' and
+    the target critics' parameters (and ``log_ent_coef``) into flat buffers.
+
+    :param policy: the SAC policy
+    :param log_ent_coef: the learned log entropy coefficient, or ``None`` when it is fixed
+    :param ent_coef_optimizer: its Adam (with ``log_ent_coef``)
+    :param ent_coef: the fixed entropy coefficient (a 0-dim tensor), when not learned
+    :param target_entropy: the entropy target of the learned coefficient
+    """
+
+    def __init__(
+        self,
+        policy: SACPolicy,
+        log_ent_coef: th.Tensor | None,
+        ent_coef_optimizer: th.optim.Optimizer | None,
+        ent_coef: th.Tensor | None,
+        target_entropy: float,
+    ) -> None:
+        reason = sac_unsupported_reason(policy, use_sde=False)
+        if reason is not None:
+            raise ValueError(reason)
+        self.policy = policy
+        actor = policy.actor
+        hidden = parse_mlp(actor.latent_pi)
+        assert isinstance(hidden, Mlp)
+        mu, log_std = cast(th.nn.Linear, actor.mu), cast(th.nn.Linear, actor.log_std)  # checked above
+        self.actor = ActorNet(actor, hidden, [mu.weight, log_std.weight], [mu.bias, log_std.bias], actor.optimizer)
+        self.critics = StackedCritics(policy.critic, policy.critic_target, policy.critic.optimizer)
+        self.action_dim = mu.out_features
+        self.ent_flat: FlatParameters | None = None
+        self.ent_adam: FlatAdam | None = None
+        if log_ent_coef is not None and ent_coef_optimizer is not None:
+            self.ent_flat = FlatParameters([log_ent_coef])
+            self.ent_adam = FlatAdam(self.ent_flat, ent_coef_optimizer)
+        self.fixed_ent_coef = ent_coef
+        self.target_entropy = target_entropy
+        self._noise: dict[int, th.Tensor] = {}
+
+    def is_bound(self) -> bool:
+        """:return: whether every parameter and optimizer state still lives in the flat buffers"""
+        ent = self.ent_flat is None or (self.ent_flat.is_bound() and self.ent_adam is not None and self.ent_adam.is_bound())
+        return self.actor.is_bound() and self.critics.is_bound() and ent
+
+    def _ent_coef(self, log_prob: th.Tensor, losses: SACStepLosses) -> th.Tensor:
+        """:return: this step's entropy coefficient (``[1]``), after stepping the learned one as stock does"""
+        if self.ent_flat is None or self.ent_adam is None:
+            assert self.fixed_ent_coef is not None
+            losses.ent_coef.append(self.fixed_ent_coef)
+            return self.fixed_ent_coef
+        log_ent_coef = self.ent_flat.data
+        ent_coef = th.exp(log_ent_coef)  # read before the step below changes log_ent_coef
+        losses.ent_coef.append(ent_coef)
+        shifted = log_prob + self.target_entropy
+        losses.ent_coef_loss.append(-(log_ent_coef * shifted).mean())
+        # d/d log_ent_coef of -mean(log_ent_coef * (log_prob + target_entropy))
+        th.sum(shifted * (-1.0 / shifted.shape[0]), dim=0, out=self.ent_flat.grad)
+        self.ent_adam.step()
+        return ent_coef
+
+    def _noise_buffer(self, n: int, device: th.device) -> th.Tensor:
+        noise = self._noise.get(n)
+        if noise is None:
+            with th.inference_mode(False):
+                noise = self._noise[n] = th.empty(n, self.action_dim, device=device)
+        return noise
+
+    def step(self, batches: OffPolicyBatches, k: int, update_target: bool, tau: float, losses: SACStepLosses) -> None:
+        """
+        One gradient step of ``SAC.train`` on minibatch ``k``.
+
+        :param batches: the minibatches of this ``train()`` call
+        :param k: which one
+        :param update_target: whether the target critics move after this step
+        :param tau: the polyak coefficient
+        :param losses: where to keep this step's losses
+        """
+        b, obs_dim = batches.batch_size, self.critics.obs_dim
+        actor_in = batches.actor_inputs[k]
+        noise = self._noise_buffer(2 * b, actor_in.device)
+        # stock draws the noise of the actions for the observations, then of those for the next observations
+        noise[:b].normal_()
+        noise[b:].normal_()
+        sample = sample_squashed(self.actor.forward(actor_in), noise)
+        log_prob = sample.log_prob
+        ent_coef = self._ent_coef(log_prob[:b], losses)
+        next_in = batches.next_critic_inputs[k]
+        next_in[:, obs_dim:] = sample.actions[b:]
+        next_q = self.critics.target_min(next_in) - ent_coef * log_prob[b:]
+        target = batches.rewards[k] + batches.discounts[k] * next_q
+        losses.critic.append(self.critics.step(batches.critic_inputs[k], target, 0.5))
+        pi_in = batches.actor_critic_inputs[k]
+        pi_in[:, obs_dim:] = sample.actions[:b]
+        min_q, argmin = th.min(self.critics.q_values(pi_in), dim=0)
+        losses.actor.append((ent_coef * log_prob[:b] - min_q).mean())
+        d_q = th.zeros(self.critics.groups, b, 1, device=min_q.device).scatter_(0, argmin.unsqueeze(0), -1.0 / b)
+        d_actions = self.critics.action_grad(d_q)
+        self.actor.step(squashed_backward(sample, b, d_actions, ent_coef / b))
+        if update_target:
+            self.critics.polyak(tau)
+
+
+class AutogradSACUpdate:
+    """
+    SAC's gradient step with autograd, for any policy (gSDE, CNN and ``Dict`` observations, custom networks and
+    optimizers): stock's losses, with the flat fused Adam where the optimizer is a plain Adam over its network
+    (:class:`~sb3_speedups.common.nn.optim.FlatOptimizerStep`), no critic weight gradients for the actor loss, the
+    polyak update in two kernel calls, and no host sync.
+
+    :param policy: the SAC policy
+    :param log_ent_coef: as :class:`HandDerivedSACUpdate`
+    :param ent_coef_optimizer: as :class:`HandDerivedSACUpdate`
+    :param ent_coef: as :class:`HandDerivedSACUpdate`
+    :param target_entropy: as :class:`HandDerivedSACUpdate`
+    :param use_sde: resample gSDE's exploration matrix before each step, as stock does
+    """
+
+    def __init__(
+        self,
+        policy: SACPolicy,
+        log_ent_coef: th.Tensor | None,
+        ent_coef_optimizer: th.optim.Optimizer | None,
+        ent_coef: th.Tensor | None,
+        target_entropy: float,
+        use_sde: bool,
+    ) -> None:
+        self.policy = policy
+        self.actor_step = FlatOptimizerStep(policy.actor, policy.actor.optimizer)
+        self.critic_step = FlatOptimizerStep(policy.critic, policy.critic.optimizer)
+        self.log_ent_coef, self.fixed_ent_coef, self.target_entropy = log_ent_coef, ent_coef, target_entropy
+        self.ent_coef_optimizer = ent_coef_optimizer
+        self.use_sde = use_sde
+        self.critic_params = list(policy.critic.parameters())
+        self.target_params = list(policy.critic_target.parameters())
+
+    def is_bound(self) -> bool:
+        """:return: whether the optimizers are still the policy's and their state lives in the flat buffers"""
+        actor, critic = self.policy.actor, self.policy.critic
+        return self.actor_step.is_bound(actor.optimizer) and self.critic_step.is_bound(critic.optimizer)
+
+    def _ent_coef(self, log_prob: th.Tensor, losses: SACStepLosses) -> th.Tensor:
+        if self.log_ent_coef is None or self.ent_coef_optimizer is None:
+            assert self.fixed_ent_coef is not None
+            losses.ent_coef.append(self.fixed_ent_coef)
+            return self.fixed_ent_coef
+        ent_coef = th.exp(self.log_ent_coef.detach())
+        loss = -(self.log_ent_coef * (log_prob + self.target_entropy).detach()).mean()
+        losses.ent_coef.append(ent_coef)
+        losses.ent_coef_loss.append(loss.detach())
+        self.ent_coef_optimizer.zero_grad()
+        loss.backward()
+        self.ent_coef_optimizer.step()
+        return ent_coef
+
+    def step(self, data: ReplayBufferSamples, gamma: float, update_target: bool, tau: float, losses: SACStepLosses) -> None:
+        """
+        One gradient step of ``SAC.train`` on one minibatch.
+
+        :param data: the minibatch
+        :param gamma: the discount when the minibatch has none (n-step buffers give one per row)
+        :param update_target: whether the target critics move after this step
+        :param tau: the polyak coefficient
+        :param losses: where to keep this step's losses
+        """
+        actor, critic = self.policy.actor, self.policy.critic
+        discounts = data.discounts if data.discounts is not None else gamma
+        if self.use_sde:
+            actor.reset_noise()
+        actions_pi, log_prob = actor.action_log_prob(data.observations)
+        log_prob = log_prob.reshape(-1, 1)
+        ent_coef = self._ent_coef(log_prob, losses)
+        with th.no_grad():
+            next_actions, next_log_prob = actor.action_log_prob(data.next_observations)
+            next_q = th.cat(self.policy.critic_target(data.next_observations, next_actions), dim=1)
+            next_q = th.min(next_q, dim=1, keepdim=True).values - ent_coef * next_log_prob.reshape(-1, 1)
+            target = data.rewards + (1 - data.dones) * discounts * next_q
+        current_q = critic(data.observations, data.actions)
+        critic_loss = 0.5 * sum(F.mse_loss(q, target) for q in current_q)
+        assert isinstance(critic_loss, th.Tensor)
+        losses.critic.append(critic_loss.detach())
+        self.critic_step.backward(critic_loss)
+        self.critic_step.step()
+        with without_weight_gradients(critic):
+            min_q = th.min(th.cat(critic(data.observations, actions_pi), dim=1), dim=1, keepdim=True).values
+            actor_loss = (ent_coef * log_prob - min_q).mean()
+            losses.actor.append(actor_loss.detach())
+            self.actor_step.backward(actor_loss)
+        self.actor_step.step()
+        if update_target:
+            foreach_polyak_(self.target_params, self.critic_params, tau)

@@ -1,0 +1,193 @@
+"""
+The shared off-policy collection loop (:class:`FastOffPolicyCollection`) has stock ``collect_rollouts``' effects: on a
+stock algorithm with continuous actions (TD3 with action noise) and on our DQN, the same replay buffer, parameters,
+callback calls, logged values and episode bookkeeping as the stock class for one seed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import stable_baselines3
+import torch as th
+from stable_baselines3.common.base_class import BaseAlgorithm
+from stable_baselines3.common.buffers import ReplayBuffer
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.env_util import make_vec_env
+from stable_baselines3.common.logger import KVWriter, Logger
+from stable_baselines3.common.noise import NormalActionNoise, OrnsteinUhlenbeckActionNoise
+from stable_baselines3.common.vec_env import VecNormalize
+
+from sb3_speedups import DQN
+from sb3_speedups.common.off_policy.collection import FastOffPolicyCollection
+from sb3_speedups.common.off_policy.transitions import copies_on_add
+from sb3_speedups.common.training_mode import TrainingModeSwitch
+from sb3_speedups.dqn.replay.buffers import PrioritizedReplayBuffer
+from tests.algo_cases import REPLAY_FIELDS, Counter
+
+
+class _FastTD3(FastOffPolicyCollection, stable_baselines3.TD3):
+    """Stock TD3 with only the collection loop replaced: everything else must come out as stock's."""
+
+
+class _Recorder(KVWriter):
+    """Keeps every dump's values, without the wall-clock ones."""
+
+    def __init__(self) -> None:
+        self.dumps: list[dict[str, Any]] = []
+
+    def write(self, key_values: dict[str, Any], key_excluded: dict[str, Any], step: int = 0) -> None:
+        self.dumps.append({k: v for k, v in key_values.items() if not k.startswith("time/") or k == "time/episodes"})
+
+
+class _StopAt(BaseCallback):
+    def __init__(self, stop_at: int) -> None:
+        super().__init__()
+        self.stop_at = stop_at
+
+    def _on_step(self) -> bool:
+        return self.n_calls < self.stop_at
+
+
+def pendulum(n_envs: int, normalize: bool = False) -> Any:
+    env = make_vec_env(lambda: gym.make("Pendulum-v1", max_episode_steps=10), n_envs=n_envs, seed=5)
+    return VecNormalize(env) if normalize else env
+
+
+def noise(kind: str, n_actions: int = 1) -> Any:
+    if kind == "normal":
+        return NormalActionNoise(np.zeros(n_actions), 0.3 * np.ones(n_actions))
+    if kind == "ou":
+        return OrnsteinUhlenbeckActionNoise(np.zeros(n_actions), 0.3 * np.ones(n_actions))
+    return None
+
+
+TD3_SMALL = dict(
+    learning_starts=15,
+    batch_size=8,
+    train_freq=3,
+    gradient_steps=1,
+    policy_delay=2,
+    policy_kwargs=dict(net_arch=[8]),
+    seed=1,
+)
+
+
+def learn_both(make_ours: Any, make_stock: Any, steps: int, callback: Any = None) -> list[tuple[BaseAlgorithm, Any]]:
+    """:return: (model, recorder) for ours and stock, each made, given a recording logger and trained"""
+    out = []
+    for make in (make_ours, make_stock):
+        model = make()
+        recorder = _Recorder()
+        model.set_logger(Logger(folder=None, output_formats=[recorder]))
+        model.learn(steps, log_interval=1, callback=callback() if callback else None)
+        out.append((model, recorder))
+    return out
+
+
+def assert_same_run(ours: BaseAlgorithm, stock: BaseAlgorithm, fields: tuple[str, ...] = REPLAY_FIELDS) -> None:
+    assert ours.num_timesteps == stock.num_timesteps
+    assert ours._episode_num == stock._episode_num
+    assert ours._n_updates == stock._n_updates
+    assert ours._current_progress_remaining == stock._current_progress_remaining
+    for name in fields:
+        got, expected = getattr(ours.replay_buffer, name), getattr(stock.replay_buffer, name)
+        np.testing.assert_array_equal(got, expected, err_msg=name)
+    assert (ours.replay_buffer.pos, ours.replay_buffer.full) == (stock.replay_buffer.pos, stock.replay_buffer.full)
+    np.testing.assert_array_equal(ours._last_obs, stock._last_obs)
+    episodes = [[(e["r"], e["l"]) for e in model.ep_info_buffer] for model in (ours, stock)]  # without wall-clock "t"
+    assert episodes[0] == episodes[1]
+    ours_state, stock_state = ours.policy.state_dict(), stock.policy.state_dict()
+    for key, value in stock_state.items():
+        assert th.equal(ours_state[key], value), key
+
+
+@pytest.mark.parametrize("noise_kind", ["normal", "ou", None])
+@pytest.mark.parametrize("n_envs", [1, 2])
+def test_td3_with_the_mixin_learns_as_stock(noise_kind: str | None, n_envs: int) -> None:
+    def make(cls: type) -> Any:
+        return lambda: cls("MlpPolicy", pendulum(n_envs), action_noise=noise(noise_kind), **TD3_SMALL)
+
+    (ours, ours_log), (stock, stock_log) = learn_both(make(_FastTD3), make(stable_baselines3.TD3), 90)
+    assert stock.replay_buffer.timeouts.any()  # episodes ended inside the run: terminal observations were stored
+    assert_same_run(ours, stock)
+    assert len(ours_log.dumps) == len(stock_log.dumps) > 3
+    assert ours_log.dumps == stock_log.dumps
+
+
+def test_callbacks_are_called_as_stock_calls_them() -> None:
+    counters = []
+    for cls in (_FastTD3, stable_baselines3.TD3):
+        counter = Counter()
+        cls("MlpPolicy", pendulum(2), action_noise=noise("ou"), **TD3_SMALL).learn(60, callback=counter)
+        counters.append(counter)
+    ours, stock = counters
+    assert (ours.steps, ours.starts, ours.ends) == (stock.steps, stock.starts, stock.ends) == (30, 10, 10)
+    loop_temporaries = {"idx", "done", "kwargs"}  # stock's for-loop variables and its noise-reset arguments
+    assert stock.keys - loop_temporaries <= ours.keys
+
+
+@pytest.mark.parametrize("cls", [_FastTD3, DQN])
+def test_a_callback_returning_false_stops_at_the_same_step(cls: type) -> None:
+    stock_cls = stable_baselines3.TD3 if cls is _FastTD3 else stable_baselines3.DQN
+    env = (lambda: pendulum(2)) if cls is _FastTD3 else (lambda: make_vec_env("CartPole-v1", n_envs=2, seed=5))
+    kwargs = TD3_SMALL if cls is _FastTD3 else dict(learning_starts=15, seed=1)
+    ours, stock = (c("MlpPolicy", env(), **kwargs).learn(200, callback=_StopAt(17)) for c in (cls, stock_cls))
+    assert ours.num_timesteps == stock.num_timesteps == 34
+    assert ours.replay_buffer.pos == stock.replay_buffer.pos == 16  # the stopping step is not stored
+    assert_same_run(ours, stock)
+
+
+def episodic(cls: type) -> Any:
+    if issubclass(cls, stable_baselines3.TD3):
+        return cls("MlpPolicy", pendulum(1), action_noise=noise("normal"), **{**TD3_SMALL, "train_freq": (2, "episode")})
+    env = make_vec_env("CartPole-v1", n_envs=1, seed=5)
+    return cls("MlpPolicy", env, learning_starts=30, train_freq=(2, "episode"), policy_kwargs=dict(net_arch=[8]), seed=1)
+
+
+@pytest.mark.parametrize("classes", [(_FastTD3, stable_baselines3.TD3), (DQN, stable_baselines3.DQN)], ids=["td3", "dqn"])
+def test_episodic_train_freq_learns_as_stock(classes: tuple[type, type]) -> None:
+    ours_cls, stock_cls = classes
+    (ours, ours_log), (stock, stock_log) = learn_both(lambda: episodic(ours_cls), lambda: episodic(stock_cls), 120)
+    assert ours._n_updates > 0
+    assert_same_run(ours, stock)
+    assert ours_log.dumps == stock_log.dumps
+
+
+def test_vec_normalize_stores_original_observations_and_rewards_as_stock() -> None:
+    def make(cls: type) -> Any:
+        return lambda: cls("MlpPolicy", pendulum(2, normalize=True), action_noise=noise("normal"), **TD3_SMALL)
+
+    (ours, _), (stock, _) = learn_both(make(_FastTD3), make(stable_baselines3.TD3), 60)
+    assert_same_run(ours, stock)
+    np.testing.assert_array_equal(ours._last_original_obs, stock._last_original_obs)
+    assert not np.allclose(stock._last_original_obs, stock._last_obs)  # the policy saw normalised observations
+
+
+def test_only_buffers_that_copy_skip_the_deep_copy() -> None:
+    class KeepsReferences(ReplayBuffer):
+        def add(self, *args: Any, **kwargs: Any) -> None:
+            super().add(*args, **kwargs)
+
+    space = gym.spaces.Box(-1, 1, (2,))
+    assert copies_on_add(ReplayBuffer(10, space, space))
+    assert not copies_on_add(KeepsReferences(10, space, space))
+    assert copies_on_add(PrioritizedReplayBuffer(10, space, space))  # says so with add_keeps_no_references
+
+
+@pytest.mark.parametrize("algo", [stable_baselines3.DQN, stable_baselines3.TD3, stable_baselines3.SAC])
+def test_training_mode_switch_sets_the_flags_set_training_mode_sets(algo: type) -> None:
+    env = "CartPole-v1" if algo is stable_baselines3.DQN else "Pendulum-v1"
+    policy = algo("MlpPolicy", env, policy_kwargs=dict(net_arch=[4])).policy
+    switch = TrainingModeSwitch(policy)
+    assert switch.modules is not None
+    for mode in (False, True, False):
+        policy.set_training_mode(not mode)
+        expected_policy = algo("MlpPolicy", env, policy_kwargs=dict(net_arch=[4])).policy
+        expected_policy.set_training_mode(not mode)
+        expected_policy.set_training_mode(mode)
+        switch(mode)
+        assert [m.training for m in policy.modules()] == [m.training for m in expected_policy.modules()]
