@@ -23,7 +23,7 @@ from stable_baselines3.common.vec_env import VecNormalize
 
 from sb3_speedups import DQN
 from sb3_speedups.common.off_policy.collection import FastOffPolicyCollection
-from sb3_speedups.common.off_policy.transitions import copies_on_add
+from sb3_speedups.common.off_policy.transitions import add_to_replay_buffer, copies_on_add
 from sb3_speedups.common.training_mode import TrainingModeSwitch
 from sb3_speedups.dqn.replay.buffers import PrioritizedReplayBuffer
 from tests.algo_cases import REPLAY_FIELDS, Counter
@@ -191,3 +191,23 @@ def test_training_mode_switch_sets_the_flags_set_training_mode_sets(algo: type) 
         expected_policy.set_training_mode(mode)
         switch(mode)
         assert [m.training for m in policy.modules()] == [m.training for m in expected_policy.modules()]
+
+
+@pytest.mark.parametrize("optimize_memory_usage", [False, True])
+@pytest.mark.parametrize("obs_space", [gym.spaces.Discrete(5), gym.spaces.Box(-1, 1, (3, 2))], ids=["discrete", "box"])
+def test_add_to_replay_buffer_stores_what_stock_add_stores(obs_space: gym.spaces.Space, optimize_memory_usage: bool) -> None:
+    action_space = gym.spaces.Box(-1, 1, (2,))
+    kwargs = dict(n_envs=2, optimize_memory_usage=optimize_memory_usage, handle_timeout_termination=not optimize_memory_usage)
+    ours, stock = (ReplayBuffer(4, obs_space, action_space, **kwargs) for _ in range(2))  # type: ignore[arg-type]
+    rng = np.random.default_rng(0)
+    for step in range(7):  # wraps around the buffer
+        obs, next_obs = (np.array([obs_space.sample() for _ in range(2)]) for _ in range(2))
+        action = rng.uniform(-1, 1, (2, 2)).astype(np.float64)
+        reward, done = rng.normal(size=2), np.array([step % 3 == 0, False])
+        infos = [{"TimeLimit.truncated": bool(step % 2)}, {}]
+        add_to_replay_buffer(ours, obs, next_obs, action, reward, done, infos)
+        stock.add(obs, next_obs, action, reward, done, infos)
+    for name in ("observations", "actions", "rewards", "dones", "timeouts", "pos", "full"):
+        np.testing.assert_array_equal(getattr(ours, name), getattr(stock, name), err_msg=name)
+    if not optimize_memory_usage:
+        np.testing.assert_array_equal(ours.next_observations, stock.next_observations)
