@@ -274,7 +274,7 @@ class DQN(FastOffPolicyCollection, stable_baselines3.DQN):
         self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
         if tds:
             # Every minibatch has batch_size rows: the mean over all of them is the mean of the per-step losses.
-            loss = huber_(th.cat(tds), None if weights is None else th.cat(weights))
+            loss = huber_(_joined(tds), None if weights is None else _joined(weights))
             self.logger.record("train/loss", float(loss))
 
     def _target_q_values(self, obs: Any) -> th.Tensor:
@@ -340,6 +340,10 @@ class DQN(FastOffPolicyCollection, stable_baselines3.DQN):
             tds.append(td)
             weights.append(data.weights)
         return weights
+
+
+def _joined(tensors: list[th.Tensor]) -> th.Tensor:
+    return tensors[0] if len(tensors) == 1 else th.cat(tensors)
 
 
 def _is_prioritized(buffer: object) -> bool:
