@@ -118,6 +118,24 @@ def test_td3_with_the_mixin_learns_as_stock(noise_kind: str | None, n_envs: int)
     assert ours_log.dumps == stock_log.dumps
 
 
+class _FastSAC(FastOffPolicyCollection, stable_baselines3.SAC):
+    """Stock SAC with only the collection loop replaced."""
+
+
+@pytest.mark.parametrize("sde", [False, True], ids=["gaussian", "gsde"])
+def test_sac_with_the_mixin_learns_as_stock(sde: bool) -> None:
+    kwargs = {k: v for k, v in TD3_SMALL.items() if k != "policy_delay"}
+    if sde:
+        kwargs.update(use_sde=True, sde_sample_freq=4)  # new exploration noise every 4 steps: reset_noise calls
+
+    def make(cls: type) -> Any:
+        return lambda: cls("MlpPolicy", pendulum(2), **kwargs)
+
+    (ours, ours_log), (stock, stock_log) = learn_both(make(_FastSAC), make(stable_baselines3.SAC), 80)
+    assert_same_run(ours, stock)
+    assert ours_log.dumps == stock_log.dumps
+
+
 def test_callbacks_are_called_as_stock_calls_them() -> None:
     counters = []
     for cls in (_FastTD3, stable_baselines3.TD3):
