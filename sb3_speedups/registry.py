@@ -66,9 +66,11 @@ ALGOS: dict[str, AlgoSpec] = {
             sampler="sb3_speedups.tune.spaces:ppo_lstm_space",
         ),
         AlgoSpec("a2c", "stable_baselines3:A2C", fast="sb3_speedups.a2c:A2C", sampler="sb3_speedups.tune.spaces:a2c_space"),
-        AlgoSpec("sac", "stable_baselines3:SAC"),
-        AlgoSpec("td3", "stable_baselines3:TD3"),
-        AlgoSpec("ddpg", "stable_baselines3:DDPG"),
+        AlgoSpec("sac", "stable_baselines3:SAC", fast="sb3_speedups.sac:SAC", sampler="sb3_speedups.tune.spaces:sac_space"),
+        AlgoSpec("td3", "stable_baselines3:TD3", fast="sb3_speedups.td3:TD3", sampler="sb3_speedups.tune.spaces:td3_space"),
+        AlgoSpec(
+            "ddpg", "stable_baselines3:DDPG", fast="sb3_speedups.ddpg:DDPG", sampler="sb3_speedups.tune.spaces:td3_space"
+        ),
         AlgoSpec("qrdqn", "sb3_contrib:QRDQN"),
         AlgoSpec("tqc", "sb3_contrib:TQC"),
         AlgoSpec("trpo", "sb3_contrib:TRPO"),

@@ -9,6 +9,7 @@ import yaml
 from stable_baselines3 import PPO as StockPPO
 
 from sb3_speedups.cli import main
+from sb3_speedups.registry import get_algo
 from sb3_speedups.zoo.hyperparams import rl_zoo_hyperparams_dir
 from tests.helpers import run_cli
 
@@ -113,6 +114,31 @@ def test_rl_zoo_published_ppo_file_runs_on_acrobot(log_folder: Path):
     run_dir = log_folder / "ppo" / "Acrobot-v1_1"
     assert (run_dir / "vecnormalize.pkl").is_file()  # normalize: true in the Zoo's Acrobot section
     assert yaml.safe_load((run_dir / "config.yml").read_text())["Acrobot-v1"]["n_envs"] == 16
+
+
+@pytest.mark.parametrize(
+    ("algo", "conf"), [("sac", "zoo"), ("td3", "zoo"), ("ddpg", "bundled")], ids=["sac-zoo", "td3-zoo", "ddpg-bundled"]
+)
+def test_off_policy_continuous_control_trains_from_an_rl_zoo_file(log_folder: Path, algo: str, conf: str):
+    """The RL Zoo's own (or our bundled) sac/td3/ddpg.yml run through --conf-file: noise keys, Pendulum section."""
+    conf_args: list[str] = []
+    if conf == "zoo":
+        zoo_dir = rl_zoo_hyperparams_dir()
+        if zoo_dir is None:
+            pytest.skip("rl_zoo3 is not installed")
+        conf_args = ["--conf-file", str(zoo_dir / f"{algo}.yml")]
+    run = ["--algo", algo, "--env", "Pendulum-v1", "-n", "300", "--seed", "0", "-f", str(log_folder)]
+    quiet = ["--eval-freq", "0", "--eval-episodes", "1", "--no-progress", "--verbose", "0"]
+    small = ["-params", "learning_starts:100", "batch_size:32", "policy_kwargs:dict(net_arch=[16])"]
+    code = main(["train", *run, *quiet, *conf_args, *small])
+    assert code == 0
+    run_dir = log_folder / algo / "Pendulum-v1_1"
+    config = yaml.safe_load((run_dir / "config.yml").read_text())["Pendulum-v1"]
+    assert config["n_timesteps"] == 300 and config["learning_rate"] == 1e-3  # the file's value, merged
+    if algo != "sac":
+        assert (config["noise_type"], config["noise_std"]) == ("normal", 0.1)
+    model = get_algo(algo).cls().load(run_dir / "Pendulum-v1.zip")
+    assert model.num_timesteps == 300 and model._n_updates > 0
 
 
 BAD_INPUTS = [

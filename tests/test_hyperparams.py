@@ -145,12 +145,29 @@ def test_missing_env_section(tmp_path):
         read_hyperparams("ppo", "CartPole-v0", path)
 
 
+OFF_POLICY = ("sac", "td3", "ddpg")
+
+
+def test_bundled_off_policy_files_hold_the_rl_zoo_values():
+    """sac/td3/ddpg.yml: the Zoo's sections for installed envs, MuJoCo -v5 with the Zoo's -v4 values."""
+    zoo_dir = rl_zoo_hyperparams_dir()
+    if zoo_dir is None:
+        pytest.skip("rl_zoo3 is not installed")
+    for algo in OFF_POLICY:
+        ours, zoo = load_yaml_file(bundled_hyperparams_dir() / f"{algo}.yml"), load_yaml_file(zoo_dir / f"{algo}.yml")
+        assert {"Pendulum-v1", "LunarLanderContinuous-v3", "HalfCheetah-v5"} <= set(ours)
+        for env_id, section in ours.items():
+            assert env_id in gym.registry or env_id == "default", env_id
+            assert section == zoo[env_id.replace("-v5", "-v4")], (algo, env_id)
+
+
 def test_bundled_files_cover_the_required_envs():
     assert bundled_hyperparams_dir().is_dir()
     required = {
         "ppo": ["CartPole-v1", "Acrobot-v1", "MountainCar-v0", "LunarLander-v3", "Pendulum-v1", "HalfCheetah-v5"],
         "dqn": ["CartPole-v1", "Acrobot-v1", "MountainCar-v0", "LunarLander-v3"],
         "ppo_lstm": ["CartPoleNoVel-v1"],
+        **{algo: ["Pendulum-v1", "LunarLanderContinuous-v3", "BipedalWalker-v3", "HalfCheetah-v5"] for algo in OFF_POLICY},
     }
     for algo, envs in required.items():
         data = load_yaml_file(default_hyperparams_file(algo))

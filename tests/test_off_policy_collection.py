@@ -23,7 +23,7 @@ from stable_baselines3.common.vec_env import VecNormalize
 
 from sb3_speedups import DQN
 from sb3_speedups.common.off_policy.collection import FastOffPolicyCollection
-from sb3_speedups.common.off_policy.transitions import copies_on_add
+from sb3_speedups.common.off_policy.transitions import add_to_replay_buffer, copies_on_add
 from sb3_speedups.common.training_mode import TrainingModeSwitch
 from sb3_speedups.dqn.replay.buffers import PrioritizedReplayBuffer
 from tests.algo_cases import REPLAY_FIELDS, Counter
@@ -118,6 +118,24 @@ def test_td3_with_the_mixin_learns_as_stock(noise_kind: str | None, n_envs: int)
     assert ours_log.dumps == stock_log.dumps
 
 
+class _FastSAC(FastOffPolicyCollection, stable_baselines3.SAC):
+    """Stock SAC with only the collection loop replaced."""
+
+
+@pytest.mark.parametrize("sde", [False, True], ids=["gaussian", "gsde"])
+def test_sac_with_the_mixin_learns_as_stock(sde: bool) -> None:
+    kwargs = {k: v for k, v in TD3_SMALL.items() if k != "policy_delay"}
+    if sde:
+        kwargs.update(use_sde=True, sde_sample_freq=4)  # new exploration noise every 4 steps: reset_noise calls
+
+    def make(cls: type) -> Any:
+        return lambda: cls("MlpPolicy", pendulum(2), **kwargs)
+
+    (ours, ours_log), (stock, stock_log) = learn_both(make(_FastSAC), make(stable_baselines3.SAC), 80)
+    assert_same_run(ours, stock)
+    assert ours_log.dumps == stock_log.dumps
+
+
 def test_callbacks_are_called_as_stock_calls_them() -> None:
     counters = []
     for cls in (_FastTD3, stable_baselines3.TD3):
@@ -191,3 +209,23 @@ def test_training_mode_switch_sets_the_flags_set_training_mode_sets(algo: type) 
         expected_policy.set_training_mode(mode)
         switch(mode)
         assert [m.training for m in policy.modules()] == [m.training for m in expected_policy.modules()]
+
+
+@pytest.mark.parametrize("optimize_memory_usage", [False, True])
+@pytest.mark.parametrize("obs_space", [gym.spaces.Discrete(5), gym.spaces.Box(-1, 1, (3, 2))], ids=["discrete", "box"])
+def test_add_to_replay_buffer_stores_what_stock_add_stores(obs_space: gym.spaces.Space, optimize_memory_usage: bool) -> None:
+    action_space = gym.spaces.Box(-1, 1, (2,))
+    kwargs = dict(n_envs=2, optimize_memory_usage=optimize_memory_usage, handle_timeout_termination=not optimize_memory_usage)
+    ours, stock = (ReplayBuffer(4, obs_space, action_space, **kwargs) for _ in range(2))  # type: ignore[arg-type]
+    rng = np.random.default_rng(0)
+    for step in range(7):  # wraps around the buffer
+        obs, next_obs = (np.array([obs_space.sample() for _ in range(2)]) for _ in range(2))
+        action = rng.uniform(-1, 1, (2, 2)).astype(np.float64)
+        reward, done = rng.normal(size=2), np.array([step % 3 == 0, False])
+        infos = [{"TimeLimit.truncated": bool(step % 2)}, {}]
+        add_to_replay_buffer(ours, obs, next_obs, action, reward, done, infos)
+        stock.add(obs, next_obs, action, reward, done, infos)
+    for name in ("observations", "actions", "rewards", "dones", "timeouts", "pos", "full"):
+        np.testing.assert_array_equal(getattr(ours, name), getattr(stock, name), err_msg=name)
+    if not optimize_memory_usage:
+        np.testing.assert_array_equal(ours.next_observations, stock.next_observations)

@@ -24,7 +24,15 @@ from sb3_speedups.zoo.train import TrainConfig, create_model, prepare_experiment
 
 
 @pytest.mark.parametrize(
-    ("algo", "env_id"), [("ppo", "CartPole-v1"), ("dqn", "CartPole-v1"), ("ppo_lstm", "CartPoleNoVel-v1")]
+    ("algo", "env_id"),
+    [
+        ("ppo", "CartPole-v1"),
+        ("dqn", "CartPole-v1"),
+        ("ppo_lstm", "CartPoleNoVel-v1"),
+        ("sac", "Pendulum-v1"),
+        ("td3", "Pendulum-v1"),
+        ("ddpg", "Pendulum-v1"),
+    ],
 )
 def test_builtin_space_builds_valid_models(algo: str, env_id: str) -> None:
     base = read_hyperparams(algo, env_id)
@@ -39,8 +47,12 @@ def test_builtin_space_builds_valid_models(algo: str, env_id: str) -> None:
         model = create_model(experiment, env)
         assert model.gamma == pytest.approx(hyperparams["gamma"])
         assert model.learning_rate == hyperparams["learning_rate"] or callable(model.learning_rate)
-        if algo != "dqn":  # the minibatch never exceeds the rollout
+        if algo in ("ppo", "ppo_lstm"):  # the minibatch never exceeds the rollout
             assert model.batch_size <= model.n_steps * env.num_envs
+        if algo in ("sac", "td3", "ddpg"):  # one gradient step per collected step, as the RL Zoo's samplers
+            assert model.gradient_steps == model.train_freq.frequency
+            noise = hyperparams.get("noise_type")
+            assert (model.action_noise is None) == (noise is None), noise
         env.close()
         study.tell(trial, 0.0)
 

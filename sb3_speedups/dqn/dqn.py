@@ -217,11 +217,12 @@ class DQN(FastOffPolicyCollection, stable_baselines3.DQN):
         if np.random.rand() < self.exploration_rate:
             actions = np.array([self.action_space.sample() for _ in range(n_envs)])
         else:
-            # The actor's weights are plain tensors (no autograd), so no grad-mode context is needed.
+            # The actor's weights are plain tensors (no autograd), so no grad-mode context is needed. numpy's argmax
+            # picks the first maximum, as torch's does.
             obs = th.as_tensor(self._last_obs)
             if obs.dim() != 2:
                 obs = obs.reshape(obs.shape[0], -1)
-            actions = speed.actor(obs if obs.dtype == th.float32 else obs.float()).argmax(dim=1).numpy()
+            actions = speed.actor(obs if obs.dtype == th.float32 else obs.float()).numpy().argmax(axis=1)
         return actions, actions
 
     def _on_step(self) -> None:
@@ -246,7 +247,7 @@ class DQN(FastOffPolicyCollection, stable_baselines3.DQN):
             next_actions = updater.q_values(data.next_observations).argmax(dim=1, keepdim=True)
             next_q = next_q_target.gather(1, next_actions)
         else:
-            next_q = next_q_target.max(dim=1, keepdim=True).values
+            next_q = th.amax(next_q_target, dim=1, keepdim=True)  # stock's max(...).values without the indices
         discounts = data.discounts if data.discounts is not None else self.gamma
         return data.rewards + (1 - data.dones) * discounts * next_q
 
@@ -273,7 +274,7 @@ class DQN(FastOffPolicyCollection, stable_baselines3.DQN):
         self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
         if tds:
             # Every minibatch has batch_size rows: the mean over all of them is the mean of the per-step losses.
-            loss = huber_(th.cat(tds), None if weights is None else th.cat(weights))
+            loss = huber_(_joined(tds), None if weights is None else _joined(weights))
             self.logger.record("train/loss", float(loss))
 
     def _target_q_values(self, obs: Any) -> th.Tensor:
@@ -339,6 +340,10 @@ class DQN(FastOffPolicyCollection, stable_baselines3.DQN):
             tds.append(td)
             weights.append(data.weights)
         return weights
+
+
+def _joined(tensors: list[th.Tensor]) -> th.Tensor:
+    return tensors[0] if len(tensors) == 1 else th.cat(tensors)
 
 
 def _is_prioritized(buffer: object) -> bool:

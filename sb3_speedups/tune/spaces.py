@@ -139,6 +139,50 @@ def dqn_space(algo_cls: type, hyperparams: dict[str, Any]) -> SearchSpace:
     return SearchSpace(params, constraints=[_limit_gradient_steps, _combined_replay_one_step])
 
 
+def _continuous_control_params() -> dict[str, Param]:
+    """What the SAC and TD3 spaces share (the RL Zoo's off-policy samplers: discount, batch, learning rate, polyak
+    coefficient, update frequency, network size)."""
+    return _params(
+        Param("one_minus_gamma", low=1e-4, high=0.03, log=True),
+        Param("batch_size", choices=(32, 64, 128, 256, 512, 1024, 2048)),
+        Param("learning_rate", low=1e-5, high=2e-3, log=True),
+        Param("train_freq", low=1, high=10, integer=True),
+        Param("tau", low=1e-3, high=0.08, log=True),
+        Param("policy_kwargs.net_arch", choices=("64x64", "256x256", "400x300")),
+    )
+
+
+def _one_update_per_step(hp: dict[str, Any]) -> None:
+    """As the RL Zoo's samplers: one gradient step per collected step (``gradient_steps = train_freq``)."""
+    if isinstance(hp.get("train_freq"), int):
+        hp["gradient_steps"] = hp["train_freq"]
+
+
+def sac_space(algo_cls: type, hyperparams: dict[str, Any]) -> SearchSpace:
+    """
+    :param algo_cls: the SAC class that will be trained
+    :param hyperparams: the YAML section (for the policy)
+    :return: the built-in SAC space
+    """
+    return SearchSpace(_continuous_control_params(), constraints=[_one_update_per_step])
+
+
+def td3_space(algo_cls: type, hyperparams: dict[str, Any]) -> SearchSpace:
+    """
+    :param algo_cls: the TD3 (or DDPG) class that will be trained
+    :param hyperparams: the YAML section (for the policy)
+    :return: the built-in TD3 space: SAC's plus the exploration noise
+    """
+    params = _continuous_control_params()
+    params.update(
+        _params(
+            Param("noise_type", choices=("normal", "ornstein-uhlenbeck", None)),
+            Param("noise_std", low=0.0, high=0.5),
+        )
+    )
+    return SearchSpace(params, constraints=[_one_update_per_step])
+
+
 def _combined_replay_one_step(hp: dict[str, Any]) -> None:
     """Combined replay needs a one-step buffer (SB3's n-step buffer cannot be gathered at given indices)."""
     if hp.get("combined_replay") and int(hp.get("n_steps", 1)) > 1 and hp.get("replay_buffer_class") is None:

@@ -68,11 +68,12 @@ class BlockedMlpForward:
         :return: outputs ``[n, out]``, in a buffer that the next call with ``n`` rows overwrites
         """
         n = x.shape[0]
-        out, _ = self._buffers(n, min(n, self.rows), x)
+        out, hidden = self._buffers(n, min(n, self.rows), x)
         last = len(self.weights) - 1
         for start in range(0, n, self.rows):
             h = x[start : start + self.rows]
-            hidden = self._buffers(n, h.shape[0], x)[1]
+            if hidden and hidden[0].shape[0] != h.shape[0]:  # the last block is shorter
+                hidden = self._buffers(n, h.shape[0], x)[1]
             for k, (weight, bias, activation_) in enumerate(zip(self.weights, self.biases, self.activations, strict=True)):
                 dst = out[start : start + h.shape[0]] if k == last else hidden[k]
                 th.addmm(bias, h, weight.t(), out=dst)

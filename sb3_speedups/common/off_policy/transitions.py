@@ -4,7 +4,8 @@ deep copy of the next observations on every step.
 
 Stock deep-copies them so that patching in the terminal observations of finished episodes cannot change the
 observations it returns to the caller. Buffers whose ``add`` copies what it is given keep no reference, so here the
-observations are copied only on steps where some are patched.
+observations are copied only on steps where some are patched, and a buffer that keeps stock ``ReplayBuffer.add``
+gets each array assigned into its storage once (:func:`add_to_replay_buffer`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from gymnasium import spaces
 from stable_baselines3.common.buffers import DictReplayBuffer, ReplayBuffer
 from stable_baselines3.her.her_replay_buffer import HerReplayBuffer
 from stable_baselines3.common.off_policy_algorithm import OffPolicyAlgorithm
@@ -35,6 +37,39 @@ def copies_on_add(buffer: ReplayBuffer) -> bool:
         if add is ReplayBuffer.add:
             return True
     return False
+
+
+def add_to_replay_buffer(
+    buffer: ReplayBuffer,
+    obs: np.ndarray,
+    next_obs: np.ndarray,
+    action: np.ndarray,
+    reward: np.ndarray,
+    done: np.ndarray,
+    infos: list[dict[str, Any]],
+) -> None:
+    """
+    ``ReplayBuffer.add`` for a buffer that does not override it, storing the same values: each array is assigned
+    into the buffer's storage once (stock first copies each into a temporary array).
+    """
+    pos, n_envs = buffer.pos, buffer.n_envs
+    if isinstance(buffer.observation_space, spaces.Discrete):
+        obs = obs.reshape((n_envs, *buffer.obs_shape))
+        next_obs = next_obs.reshape((n_envs, *buffer.obs_shape))
+    buffer.observations[pos] = obs
+    if buffer.optimize_memory_usage:
+        buffer.observations[(pos + 1) % buffer.buffer_size] = next_obs
+    else:
+        buffer.next_observations[pos] = next_obs
+    buffer.actions[pos] = action.reshape((n_envs, buffer.action_dim))
+    buffer.rewards[pos] = reward
+    buffer.dones[pos] = done
+    if buffer.handle_timeout_termination:
+        buffer.timeouts[pos] = [info.get("TimeLimit.truncated", False) for info in infos]
+    buffer.pos = pos + 1
+    if buffer.pos == buffer.buffer_size:
+        buffer.full = True
+        buffer.pos = 0
 
 
 def _with_terminal_observations(
@@ -86,7 +121,11 @@ def store_transition(
         finished = [int(i) for i in np.flatnonzero(dones) if infos[i].get("terminal_observation") is not None]
         if finished:
             next_obs = _with_terminal_observations(next_obs, finished, infos, vec_normalize)
-    replay_buffer.add(model._last_original_obs, next_obs, buffer_action, original_reward, dones, infos)  # type: ignore[arg-type]
+    obs = model._last_original_obs
+    if type(replay_buffer).add is ReplayBuffer.add:
+        add_to_replay_buffer(replay_buffer, obs, next_obs, buffer_action, original_reward, dones, infos)  # type: ignore[arg-type]
+    else:
+        replay_buffer.add(obs, next_obs, buffer_action, original_reward, dones, infos)  # type: ignore[arg-type]
     model._last_obs = new_obs  # type: ignore[assignment]
     if vec_normalize is not None:
         model._last_original_obs = original_next_obs  # type: ignore[assignment]

@@ -88,6 +88,9 @@ def gather(buffer: ReplayBuffer, draw: IndexDraw, env: VecNormalize | None = Non
         (buffer.dones[b, e] * (1 - buffer.timeouts[b, e])).reshape(-1, 1),
         buffer._normalize_reward(buffer.rewards[b, e].reshape(-1, 1), env),
     )
+    if buffer.device.type == "cpu":
+        # fancy indexing made fresh arrays: wrap them instead of copying them again (same dtypes and values)
+        return ReplayBufferSamples(*(th.from_numpy(x) for x in data))  # type: ignore[arg-type]
     return ReplayBufferSamples(*(buffer.to_torch(x) for x in data))  # type: ignore[arg-type]
 
 
