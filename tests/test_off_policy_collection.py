@@ -65,15 +65,17 @@ def noise(kind: str, n_actions: int = 1) -> Any:
     return None
 
 
-TD3_SMALL = dict(
-    learning_starts=15,
-    batch_size=8,
-    train_freq=3,
-    gradient_steps=1,
-    policy_delay=2,
-    policy_kwargs=dict(net_arch=[8]),
-    seed=1,
-)
+def td3_small() -> dict[str, Any]:
+    """:return: small TD3 arguments, fresh each time (SB3 writes into the ``policy_kwargs`` it is given)"""
+    return dict(
+        learning_starts=15,
+        batch_size=8,
+        train_freq=3,
+        gradient_steps=1,
+        policy_delay=2,
+        policy_kwargs=dict(net_arch=[8]),
+        seed=1,
+    )
 
 
 def learn_both(make_ours: Any, make_stock: Any, steps: int, callback: Any = None) -> list[tuple[BaseAlgorithm, Any]]:
@@ -109,7 +111,7 @@ def assert_same_run(ours: BaseAlgorithm, stock: BaseAlgorithm, fields: tuple[str
 @pytest.mark.parametrize("n_envs", [1, 2])
 def test_td3_with_the_mixin_learns_as_stock(noise_kind: str | None, n_envs: int) -> None:
     def make(cls: type) -> Any:
-        return lambda: cls("MlpPolicy", pendulum(n_envs), action_noise=noise(noise_kind), **TD3_SMALL)
+        return lambda: cls("MlpPolicy", pendulum(n_envs), action_noise=noise(noise_kind), **td3_small())
 
     (ours, ours_log), (stock, stock_log) = learn_both(make(_FastTD3), make(stable_baselines3.TD3), 90)
     assert stock.replay_buffer.timeouts.any()  # episodes ended inside the run: terminal observations were stored
@@ -124,7 +126,7 @@ class _FastSAC(FastOffPolicyCollection, stable_baselines3.SAC):
 
 @pytest.mark.parametrize("sde", [False, True], ids=["gaussian", "gsde"])
 def test_sac_with_the_mixin_learns_as_stock(sde: bool) -> None:
-    kwargs = {k: v for k, v in TD3_SMALL.items() if k != "policy_delay"}
+    kwargs = {k: v for k, v in td3_small().items() if k != "policy_delay"}
     if sde:
         kwargs.update(use_sde=True, sde_sample_freq=4)  # new exploration noise every 4 steps: reset_noise calls
 
@@ -140,7 +142,7 @@ def test_callbacks_are_called_as_stock_calls_them() -> None:
     counters = []
     for cls in (_FastTD3, stable_baselines3.TD3):
         counter = Counter()
-        cls("MlpPolicy", pendulum(2), action_noise=noise("ou"), **TD3_SMALL).learn(60, callback=counter)
+        cls("MlpPolicy", pendulum(2), action_noise=noise("ou"), **td3_small()).learn(60, callback=counter)
         counters.append(counter)
     ours, stock = counters
     assert (ours.steps, ours.starts, ours.ends) == (stock.steps, stock.starts, stock.ends) == (30, 10, 10)
@@ -152,7 +154,7 @@ def test_callbacks_are_called_as_stock_calls_them() -> None:
 def test_a_callback_returning_false_stops_at_the_same_step(cls: type) -> None:
     stock_cls = stable_baselines3.TD3 if cls is _FastTD3 else stable_baselines3.DQN
     env = (lambda: pendulum(2)) if cls is _FastTD3 else (lambda: make_vec_env("CartPole-v1", n_envs=2, seed=5))
-    kwargs = TD3_SMALL if cls is _FastTD3 else dict(learning_starts=15, seed=1)
+    kwargs = td3_small() if cls is _FastTD3 else dict(learning_starts=15, seed=1)
     ours, stock = (c("MlpPolicy", env(), **kwargs).learn(200, callback=_StopAt(17)) for c in (cls, stock_cls))
     assert ours.num_timesteps == stock.num_timesteps == 34
     assert ours.replay_buffer.pos == stock.replay_buffer.pos == 16  # the stopping step is not stored
@@ -161,7 +163,7 @@ def test_a_callback_returning_false_stops_at_the_same_step(cls: type) -> None:
 
 def episodic(cls: type) -> Any:
     if issubclass(cls, stable_baselines3.TD3):
-        return cls("MlpPolicy", pendulum(1), action_noise=noise("normal"), **{**TD3_SMALL, "train_freq": (2, "episode")})
+        return cls("MlpPolicy", pendulum(1), action_noise=noise("normal"), **{**td3_small(), "train_freq": (2, "episode")})
     env = make_vec_env("CartPole-v1", n_envs=1, seed=5)
     return cls("MlpPolicy", env, learning_starts=30, train_freq=(2, "episode"), policy_kwargs=dict(net_arch=[8]), seed=1)
 
@@ -177,7 +179,7 @@ def test_episodic_train_freq_learns_as_stock(classes: tuple[type, type]) -> None
 
 def test_vec_normalize_stores_original_observations_and_rewards_as_stock() -> None:
     def make(cls: type) -> Any:
-        return lambda: cls("MlpPolicy", pendulum(2, normalize=True), action_noise=noise("normal"), **TD3_SMALL)
+        return lambda: cls("MlpPolicy", pendulum(2, normalize=True), action_noise=noise("normal"), **td3_small())
 
     (ours, _), (stock, _) = learn_both(make(_FastTD3), make(stable_baselines3.TD3), 60)
     assert_same_run(ours, stock)
