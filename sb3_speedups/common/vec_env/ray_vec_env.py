@@ -6,6 +6,7 @@ is one actor call per actor, answered with that actor's observations, rewards, d
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from collections import OrderedDict
@@ -124,7 +125,7 @@ class RayVecEnv(VecEnv):
         options = {"num_cpus": num_cpus, "scheduling_strategy": "SPREAD", "max_restarts": 0, **(actor_options or {})}
         remote_cls = ray.remote(EnvActor).options(**options)
         bounds = np.linspace(0, n_envs, n_workers + 1).round().astype(int).tolist()
-        for index, (first, stop) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        for index, (first, stop) in enumerate(itertools.pairwise(bounds)):
             actor = remote_cls.remote(index, first, env_fns[first:stop])
             self._actors.append(ActorHandle(index, actor, first, stop))
         refs = [handle.actor.start.remote() for handle in self._actors]
@@ -135,8 +136,8 @@ class RayVecEnv(VecEnv):
                 f"RayVecEnv: {n_workers} actors of {num_cpus} CPUs each did not start within {timeout_s:g} s; the cluster "
                 f"has {ray.cluster_resources().get('CPU', 0):g} CPUs: lower n_workers or num_cpus, or add nodes"
             ) from None
-        for handle, (_, _, handle.where, handle.node_id) in zip(self._actors, replies, strict=True):
-            pass
+        for handle, reply in zip(self._actors, replies, strict=True):
+            handle.where, handle.node_id = reply[2], reply[3]
         return replies[0][0], replies[0][1]
 
     # --- waiting for actors ---------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import os
 import pickle
 import signal
 from collections.abc import Callable
+from functools import partial
 from multiprocessing import parent_process, reduction
 from multiprocessing.connection import Connection
 from time import perf_counter
@@ -121,9 +122,8 @@ class Worker:
             "reset": self._reset,
             "close": self._close_envs,
         }
-        for name, command in ENV_COMMANDS.items():
-            # data: (the command's arguments, VecEnv indices of the envs to run it on)
-            self.pipe_handlers[name] = lambda data, command=command: command(self._targets(data[1]), data[0])
+        for name in ENV_COMMANDS:
+            self.pipe_handlers[name] = partial(self._env_command, name)
         self.commands: dict[int, Callable[[], bool]] = {STEP: self._step, PIPE: self._pipe_command}
 
     def _check_parent(self) -> None:
@@ -227,6 +227,10 @@ class Worker:
     def _reset(self, data: tuple[list[int | None], list[dict[str, Any]]]) -> list[dict[str, Any]]:
         assert self.group is not None
         return self.group.reset(*data)
+
+    def _env_command(self, name: str, data: tuple[tuple[Any, ...], list[int]]) -> list[Any]:
+        args, indices = data  # the command's arguments, VecEnv indices of the envs to run it on
+        return ENV_COMMANDS[name](self._targets(indices), args)
 
     def _close_envs(self, _: Any) -> None:
         envs, self.envs = self.envs, []
