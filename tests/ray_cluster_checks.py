@@ -176,6 +176,21 @@ def test_env_exception_names_the_env_and_keeps_the_remote_traceback() -> None:
         ours.close()
 
 
+def test_timeouts_give_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"1 actors of 64 CPUs each did not start within 1 s; the cluster has 2 CPUs"):
+        RayVecEnv(env_fns(2), n_workers=1, address=ADDRESS, num_cpus=64, startup_timeout_s=1.0)
+    never = tmp_path / "never"
+    ours = RayVecEnv([lambda: WaitForFileEnv(str(never))], address=ADDRESS, num_cpus=0.5, step_timeout_s=1.0)
+    try:
+        ours.reset()
+        with pytest.raises(ray.exceptions.GetTimeoutError, match="step did not finish within 1 s; close this VecEnv"):
+            ours.step(np.zeros((1, 2), dtype=np.float32))
+        with pytest.raises(WorkerDiedError, match="step did not finish"):
+            ours.reset()
+    finally:
+        ours.close()
+
+
 def wait_gone(pid: int) -> bool:
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:

@@ -33,6 +33,7 @@ except ImportError:
 from sb3_speedups.common.vec_env.ray_actor import EnvActor, StepResult
 
 POLL_S = 1.0  # a wait for actors checks this often that their nodes are still alive
+CLOSE_WAIT_S = 10.0  # close() gives the actors this long to close their envs before killing them
 
 
 @dataclass(eq=False)
@@ -120,7 +121,8 @@ class RayVecEnv(VecEnv):
         if envs_per_worker is not None:
             n_workers = math.ceil(n_envs / envs_per_worker)
         elif n_workers is None:
-            n_workers = max(1, int(ray.cluster_resources().get("CPU", 1) // num_cpus))
+            cpus = ray.cluster_resources().get("CPU", 1)
+            n_workers = max(1, int(cpus // num_cpus if num_cpus > 0 else cpus))
         n_workers = min(n_workers, n_envs)
         options = {"num_cpus": num_cpus, "scheduling_strategy": "SPREAD", "max_restarts": 0, **(actor_options or {})}
         remote_cls = ray.remote(EnvActor).options(**options)
@@ -153,7 +155,10 @@ class RayVecEnv(VecEnv):
             if waiting:
                 self._check_nodes(handles, refs, waiting, during)
                 if deadline is not None and monotonic() > deadline:
-                    raise GetTimeoutError(f"{during} took more than {timeout_s:g} s")
+                    self.broken = (
+                        f"RayVecEnv: {during} did not finish within {timeout_s:g} s; close this VecEnv and create a new one"
+                    )
+                    raise GetTimeoutError(self.broken)
         replies = []
         for handle, ref in zip(handles, refs, strict=True):
             try:
@@ -255,9 +260,11 @@ class RayVecEnv(VecEnv):
             return
         self.closed = True
         try:
-            if self.broken is None:
+            if self.broken is None and ray.is_initialized():
                 refs = [handle.actor.close.remote() for handle in self._actors]
-                ray.wait(refs, num_returns=len(refs), timeout=10.0)
+                ray.wait(refs, num_returns=len(refs), timeout=CLOSE_WAIT_S)
+        except Exception:  # the envs could not be closed cleanly: the actors are killed below anyway
+            pass
         finally:
             self._kill_actors()
 
