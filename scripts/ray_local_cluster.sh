@@ -13,7 +13,8 @@ if [ -z "${RAY_LOCAL_CLUSTER_INSIDE:-}" ]; then
     echo "ray_local_cluster.sh: cannot make a network namespace here (needs root and unshare)" >&2
     exit 3
   fi
-  exec env RAY_LOCAL_CLUSTER_INSIDE=1 unshare --net --pid --fork --mount-proc -- "$0" --cpus-per-node "$CPUS" "$@"
+  # --kill-child: if this process is killed, the namespace's first process dies, and the kernel ends all the others
+  exec env RAY_LOCAL_CLUSTER_INSIDE=1 unshare --net --pid --fork --kill-child --mount-proc -- "$0" --cpus-per-node "$CPUS" "$@"
 fi
 ip link set lo up
 # the `ray` next to the Python that runs the command (PYTHON, default python3)

@@ -30,7 +30,7 @@ from tests.vec_env_helpers import SpacesEnv, assert_same, assert_same_step, env_
 ray = pytest.importorskip("ray")
 
 ADDRESS = os.environ.get("RAY_ADDRESS", "")
-WAIT_S = 30.0  # generous bound on anything that must happen "within seconds"
+WAIT_S = 60.0  # generous bound on anything that must happen "within seconds"
 ACTIONS = np.zeros((4, 2), dtype=np.float32)
 
 
