@@ -3,7 +3,9 @@
 #   scripts/ray_local_cluster.sh [--cpus-per-node N] COMMAND...
 # As root it enters new network, PID and mount namespaces (unshare) with only `lo` up, so Ray cannot use any other
 # address, and every Ray process ends with the command. In COMMAND, RAY_ADDRESS names the head and
-# RAY_LOCAL_CLUSTER_TMP the Ray temp dir; the `ray` command is taken from the venv of $PYTHON. Exit status: COMMAND's, or 3 when no namespace can be made.
+# RAY_LOCAL_CLUSTER_TMP the Ray temp dir. Example:
+#   scripts/ray_local_cluster.sh .venv/bin/python scripts/benchmark.py vec-env --kinds batched ray
+# Exit status: COMMAND's, or 3 when no namespace can be made.
 set -euo pipefail
 CPUS=1
 if [ "${1:-}" = "--cpus-per-node" ]; then CPUS=$2; shift 2; fi
@@ -17,8 +19,9 @@ if [ -z "${RAY_LOCAL_CLUSTER_INSIDE:-}" ]; then
   exec env RAY_LOCAL_CLUSTER_INSIDE=1 unshare --net --pid --fork --kill-child --mount-proc -- "$0" --cpus-per-node "$CPUS" "$@"
 fi
 ip link set lo up
-# the `ray` next to the Python that runs the command (PYTHON, default python3)
-RAY=${RAY:-$("${PYTHON:-python3}" -c 'import os, sys; print(os.path.join(os.path.dirname(sys.executable), "ray"))')}
+# the `ray` next to the Python of the command: PYTHON, else COMMAND's first word if it is a python, else python3
+case "$(basename "$1")" in python*) PY=${PYTHON:-$1} ;; *) PY=${PYTHON:-python3} ;; esac
+RAY=${RAY:-$("$PY" -c 'import os, sys; print(os.path.join(os.path.dirname(sys.executable), "ray"))')}
 TMP=$(mktemp -d /tmp/ray_local.XXXXXX)
 PORT=6379
 COMMON=(--node-ip-address=127.0.0.1 --num-cpus="$CPUS" --object-store-memory=100000000 --disable-usage-stats)
