@@ -55,7 +55,7 @@ def cluster_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str,
     cmd = [str(CLUSTER_SCRIPT), sys.executable, "-m", "pytest", str(CHECKS), "-p", "no:randomly", "-p", "no:cacheprovider",
            "-q", "-o", "timeout=240", f"--junitxml={report}"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=CLUSTER_TIMEOUT_S, check=False)
-    output = (proc.stdout + proc.stderr)[-6000:]
+    output = (proc.stdout + proc.stderr)[-20000:]  # the inner pytest's failures, with their captured output
     if not report.exists():
         pytest.fail(f"the checks did not run (exit {proc.returncode}):\n{output}")
     outcomes: dict[str, list[str]] = {}

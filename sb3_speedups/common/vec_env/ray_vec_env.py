@@ -65,7 +65,8 @@ class RayVecEnv(VecEnv):
     :param actor_options: further ``ray.remote`` options of the actors (``resources``, ``scheduling_strategy``, ...;
         actors are spread over the nodes by default)
     :param init_kwargs: further ``ray.init`` arguments, when this VecEnv initialises Ray
-    :param startup_timeout_s: fail if the actors are not up after this long (the cluster may lack the resources)
+    :param startup_timeout_s: fail if the actors are not up after this long, in seconds (the cluster may lack the
+        resources; on a busy machine starting the actors' Python processes alone can take minutes)
     :param step_timeout_s: fail if a step or command takes longer than this (``None``: wait as long as the actors'
         nodes are alive)
     """
@@ -80,7 +81,7 @@ class RayVecEnv(VecEnv):
         num_cpus: float = 1.0,
         actor_options: dict[str, Any] | None = None,
         init_kwargs: dict[str, Any] | None = None,
-        startup_timeout_s: float = 120.0,
+        startup_timeout_s: float = 300.0,
         step_timeout_s: float | None = None,
     ) -> None:
         n_envs = len(env_fns)
