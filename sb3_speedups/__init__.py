@@ -20,12 +20,15 @@ _LAZY = {
     "DDPG": "sb3_speedups.ddpg:DDPG",
 }
 
+# Needs an extra (sb3-speedups[ray]); left out of __all__ so that a star import works without it.
+_OPTIONAL = {"RayVecEnv": "sb3_speedups.common.vec_env.ray_vec_env:RayVecEnv"}
+
 __all__ = ["BatchedSubprocVecEnv", "__version__", "make_vec_env", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
+    if name in _LAZY or name in _OPTIONAL:
         from sb3_speedups.registry import import_object
 
-        return import_object(_LAZY[name])
+        return import_object(_LAZY.get(name) or _OPTIONAL[name])
     raise AttributeError(f"module 'sb3_speedups' has no attribute {name!r}")

@@ -102,6 +102,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-eval-envs", type=POSITIVE, default=1, help="envs of the evaluation env")
     parser.add_argument("--save-freq", type=NON_NEGATIVE, default=0, help="checkpoint every N env steps (0: never)")
     parser.add_argument("--vec-env", default="dummy", choices=list(VEC_ENV_CLASSES), help="VecEnv type")
+    parser.add_argument("--ray-address", default=None,
+                        help="Ray cluster of --vec-env ray: auto (started here with `ray start`) or HOST:PORT; "
+                        "default: RAY_ADDRESS, else a new local Ray")  # fmt: skip
     parser.add_argument("-tb", "--tensorboard-log", default="", help="tensorboard log folder")
     parser.add_argument("-i", "--trained-agent", default="", help="model .zip to continue training")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show the progress bar")
@@ -117,14 +120,19 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     """``train``: one training run."""
+    from sb3_speedups.zoo.envs import vec_env_class
     from sb3_speedups.zoo.hyperparams import parse_overrides
     from sb3_speedups.zoo.train import TrainConfig, train
 
+    if args.ray_address is not None and args.vec_env != "ray":
+        raise UserError("--ray-address is an option of --vec-env ray; add --vec-env ray or drop --ray-address")
+    vec_env_class(args.vec_env)  # a missing optional dependency (ray) fails here, before the run folder is made
     config = TrainConfig(
         algo=args.algo, env_id=args.env, n_timesteps=_or_minus_one(args.n_timesteps), seed=args.seed,
         conf_file=args.conf_file, hyperparams=parse_overrides(args.hyperparams), log_folder=args.log_folder,
         eval_freq=args.eval_freq, eval_episodes=args.eval_episodes, n_eval_envs=args.n_eval_envs,
-        save_freq=args.save_freq, vec_env=args.vec_env, device=args.device, tensorboard_log=args.tensorboard_log,
+        save_freq=args.save_freq, vec_env=args.vec_env, ray_address=args.ray_address, device=args.device,
+        tensorboard_log=args.tensorboard_log,
         trained_agent=args.trained_agent, progress=args.progress and not args.quiet,
         num_threads=_or_minus_one(args.num_threads), verbose=args.verbose, quiet=args.quiet, stock=args.stock,
     )  # fmt: skip
@@ -238,6 +246,8 @@ def add_bench_vec_env_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-methods", nargs="*", default=[], help="start methods to time start-up for")
     parser.add_argument("--startup-repeats", type=POSITIVE, default=3, help="start-up measurements per kind and method")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--step-cost-ms", type=float, default=0.0,
+                        help="CPU work added to every env step, in ms (an expensive simulator)")  # fmt: skip
 
 
 def run_bench_vec_env(args: argparse.Namespace) -> int:
@@ -246,7 +256,7 @@ def run_bench_vec_env(args: argparse.Namespace) -> int:
 
     print(run_vec_env_benchmark(
         args.env, args.kinds, args.n_envs, args.block_steps, args.rounds, args.start_method, args.startup_methods,
-        args.startup_repeats, args.out,
+        args.startup_repeats, args.out, args.step_cost_ms,
     ))  # fmt: skip
     return 0
 

@@ -23,3 +23,7 @@ class UserValueError(UserError, ValueError):
 
 class UserTypeError(UserError, TypeError):
     """An argument of the wrong kind (or one that the chosen class does not take), where stock raises ``TypeError``."""
+
+
+class MissingExtraError(UserError, ImportError):
+    """An optional dependency is not installed; the message names the ``pip install 'sb3-speedups[extra]'`` to run."""

@@ -7,6 +7,9 @@ actions (the order reversed every other round), so a change in machine load hits
 the VecEnv and its first ``reset``) runs in a fresh process, kinds alternating, per start method.
 
 ``python scripts/benchmark.py vec-env --env HalfCheetah-v5 --kinds batched batched:n_local=4 envpool``
+
+``--step-cost-ms 2`` adds fixed CPU work to every env step (a stand-in for an expensive simulator); ``--kinds ray``
+needs a Ray cluster: ``scripts/ray_local_cluster.sh`` starts a two-node one on loopback around the command.
 """
 
 from __future__ import annotations
@@ -25,10 +28,30 @@ from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_speedups.common.env_util import make_vec_env
 from sb3_speedups.common.vec_env import BatchedSubprocVecEnv
+from sb3_speedups.common.vec_env.startup import units_per_second
+from sb3_speedups.common.vec_env.worker import burn
 from sb3_speedups.errors import UserError
 from sb3_speedups.zoo.envs import VEC_ENV_CLASSES, vec_env_class
 
 PROCESS_KINDS = ("subproc", "batched")
+
+
+class StepCostWrapper(gym.Wrapper):
+    """
+    Adds ``units`` of :func:`~sb3_speedups.common.vec_env.worker.burn` CPU work to every step (an env as expensive
+    as a simulator, with the wrapped env's own dynamics).
+
+    :param env: the env
+    :param units: work units per step
+    """
+
+    def __init__(self, env: gym.Env, units: int) -> None:
+        super().__init__(env)
+        self.units = units
+
+    def step(self, action: Any) -> Any:
+        burn(self.units)
+        return self.env.step(action)
 
 
 def parse_kind(spec: str) -> tuple[str, dict[str, Any]]:
@@ -51,20 +74,27 @@ def parse_kind(spec: str) -> tuple[str, dict[str, Any]]:
     return name, kwargs
 
 
-def make_kind(spec: str, env_id: str, n_envs: int, seed: int = 0, start_method: str | None = None) -> VecEnv:
+def make_kind(
+    spec: str, env_id: str, n_envs: int, seed: int = 0, start_method: str | None = None, step_units: int = 0
+) -> VecEnv:
     """
     :param spec: ``--vec-env`` name, optionally with options (see :func:`parse_kind`)
     :param env_id: gymnasium id
     :param n_envs: number of envs
     :param seed: base seed
     :param start_method: start method of the process-based kinds (``None``: their default)
+    :param step_units: extra CPU work per env step (:class:`StepCostWrapper`), 0 for none
     :return: the VecEnv, built as ``make_vec_env`` builds it for training (Monitor / VecMonitor included)
     """
     kind, kwargs = parse_kind(spec)
     method = start_method if kind in PROCESS_KINDS else None
+    wrapper: dict[str, Any] = {}
+    if step_units:
+        wrapper = {"wrapper_class": StepCostWrapper, "wrapper_kwargs": {"units": step_units}}
     return make_vec_env(
-        env_id, n_envs=n_envs, seed=seed, vec_env_cls=vec_env_class(kind), start_method=method, vec_env_kwargs=kwargs
-    )
+        env_id, n_envs=n_envs, seed=seed, vec_env_cls=vec_env_class(kind), start_method=method, vec_env_kwargs=kwargs,
+        **wrapper,
+    )  # fmt: skip
 
 
 def random_actions(action_space: gym.spaces.Space, n_envs: int, n_steps: int, seed: int = 0) -> np.ndarray:
@@ -82,6 +112,7 @@ def measure_throughput(
     rounds: int = 20,
     seed: int = 0,
     start_method: str | None = None,
+    step_cost_ms: float = 0.0,
 ) -> dict[str, Any]:
     """
     :param env_id: gymnasium id
@@ -91,15 +122,17 @@ def measure_throughput(
     :param rounds: blocks per kind
     :param seed: seed of the envs and of the random actions
     :param start_method: start method of the process-based kinds
+    :param step_cost_ms: CPU work added to every env step, in milliseconds of this machine's CPU
     :return: per kind: median env-steps/s, median ratios vs ``dummy`` and ``subproc``, all block rates
     """
     kinds = list(dict.fromkeys(["dummy", "subproc", *kinds]))
     for kind in kinds:
         parse_kind(kind)  # bad specs fail before anything is started
     envs: dict[str, VecEnv] = {}
+    step_units = int(step_cost_ms * 1e-3 * units_per_second()) if step_cost_ms > 0 else 0
     try:
         for kind in kinds:
-            envs[kind] = make_kind(kind, env_id, n_envs, seed, start_method)
+            envs[kind] = make_kind(kind, env_id, n_envs, seed, start_method, step_units)
         actions = random_actions(envs["dummy"].action_space, n_envs, block_steps, seed)
         rates: dict[str, list[float]] = {kind: [] for kind in kinds}
         for env in envs.values():
@@ -202,6 +235,7 @@ def run_vec_env_benchmark(
     startup_methods: list[str] | None = None,
     startup_repeats: int = 3,
     out: str | None = None,
+    step_cost_ms: float = 0.0,
 ) -> str:
     """
     Throughput of every kind (``dummy`` and ``subproc`` always included) and, per start method, start-up time.
@@ -215,17 +249,22 @@ def run_vec_env_benchmark(
     :param startup_methods: start methods to time start-up for (none: skip)
     :param startup_repeats: start-up measurements per kind and method
     :param out: write the results as JSON here
+    :param step_cost_ms: CPU work added to every env step, in milliseconds (start-up runs are without it)
     :return: the plain-text summary table
     """
-    throughput = measure_throughput(env_id, kinds, n_envs, block_steps, rounds, start_method=start_method)
+    throughput = measure_throughput(
+        env_id, kinds, n_envs, block_steps, rounds, start_method=start_method, step_cost_ms=step_cost_ms
+    )
     startup = None
     if startup_methods:
         timed = [kind for kind in dict.fromkeys(["subproc", *kinds]) if parse_kind(kind)[0] in PROCESS_KINDS]
         startup = measure_startup(env_id, timed, n_envs, startup_methods, startup_repeats)
     if out:
         with open(out, "w") as file:
-            json.dump({"env_id": env_id, "n_envs": n_envs, "throughput": throughput, "startup": startup}, file, indent=2)
-    return format_summary(env_id, throughput, startup)
+            results = {"env_id": env_id, "n_envs": n_envs, "step_cost_ms": step_cost_ms, "throughput": throughput}
+            json.dump({**results, "startup": startup}, file, indent=2)
+    label = f"{env_id} + {step_cost_ms:g} ms/step" if step_cost_ms > 0 else env_id
+    return format_summary(label, throughput, startup)
 
 
 if __name__ == "__main__":

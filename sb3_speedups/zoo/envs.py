@@ -25,6 +25,7 @@ VEC_ENV_CLASSES: dict[str, str] = {
     "batched": "sb3_speedups.common.vec_env:BatchedSubprocVecEnv",
     "envpool": "sb3_speedups.common.vec_env.adapters:EnvPoolVecEnv",
     "gym_vector": "sb3_speedups.common.vec_env.adapters:GymVectorVecEnv",
+    "ray": "sb3_speedups.common.vec_env.ray_vec_env:RayVecEnv",  # needs the extra sb3-speedups[ray]
 }
 
 

@@ -46,6 +46,8 @@ class TrainConfig:
     :param n_eval_envs: envs of the evaluation env
     :param save_freq: checkpoint every this many env steps; ``<= 0`` disables it
     :param vec_env: ``dummy``, ``subproc``, ...
+    :param ray_address: Ray cluster of ``vec_env="ray"`` (``"auto"``, ``HOST:PORT``); ``None``: ``RAY_ADDRESS`` or a
+        new local Ray
     :param device: torch device of the model
     :param tensorboard_log: tensorboard folder, ``""`` for none
     :param trained_agent: a saved model zip to continue training
@@ -69,6 +71,7 @@ class TrainConfig:
     n_eval_envs: int = 1
     save_freq: int = -1
     vec_env: str = "dummy"
+    ray_address: str | None = None
     device: str = "auto"
     tensorboard_log: str = ""
     trained_agent: str = ""
@@ -248,7 +251,11 @@ def train(config: TrainConfig) -> TrainResult:
     normalize_stats = None
     if config.trained_agent:
         normalize_stats = Path(config.trained_agent).parent / runs.VECNORMALIZE_FILE
-    env = make_env(config.env_id, hp, hp.n_envs, experiment.seed, run_dir, config.vec_env, normalize_stats=normalize_stats)
+    vec_env_kwargs = {"address": config.ray_address} if config.ray_address is not None else None
+    env = make_env(
+        config.env_id, hp, hp.n_envs, experiment.seed, run_dir, config.vec_env, normalize_stats=normalize_stats,
+        vec_env_kwargs=vec_env_kwargs,
+    )  # fmt: skip
     eval_env = make_env(config.env_id, hp, config.n_eval_envs, experiment.seed + EVAL_SEED_OFFSET, eval_env=True)
     interrupted = False
     try:

@@ -19,13 +19,19 @@ from typing import Any
 import cloudpickle
 import gymnasium as gym
 import numpy as np
-from stable_baselines3.common.env_util import is_wrapped
 from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvObs, VecEnvStepReturn
-from stable_baselines3.common.vec_env.patch_gym import _patch_env
 from stable_baselines3.common.vec_env.util import dict_to_obs
 
 from sb3_speedups.common.vec_env import startup
-from sb3_speedups.common.vec_env.env_group import EnvGroup, InfoRecord, annotate, detach_info, obs_keys, obs_specs
+from sb3_speedups.common.vec_env.env_group import (
+    ENV_COMMANDS,
+    EnvGroup,
+    InfoRecord,
+    detach_info,
+    make_envs,
+    obs_keys,
+    obs_specs,
+)
 from sb3_speedups.common.vec_env.pool import WorkerDiedError, WorkerHandle, WorkerPool, unlink_semaphore_names
 from sb3_speedups.common.vec_env.shared_memory import ArraySpec, SharedArrays
 from sb3_speedups.common.vec_env.stepping import SubsetSteppingMixin
@@ -112,14 +118,9 @@ class BatchedSubprocVecEnv(SubsetSteppingMixin, VecEnv):
         for worker, first, stop in zip(pool.workers, bounds[:-1], bounds[1:], strict=True):
             worker.first, worker.stop = int(first), int(stop)
             pool.request(worker, "make_envs", (worker.first, cloudpickle.dumps(env_fns[first:stop])))
-        self._local_envs: list[gym.Env] = []
         try:
-            for env_fn in env_fns[:n_local]:
-                self._local_envs.append(_patch_env(env_fn()))
-        except Exception as exc:
-            annotate(exc, len(self._local_envs), "creation", "main process")
-            for env in self._local_envs:
-                env.close()
+            self._local_envs = make_envs(env_fns[:n_local], 0, "main process")
+        except Exception:
             pool.replies_quietly(pool.workers)
             raise
         if len({id(env.unwrapped) for env in self._local_envs}) != len(self._local_envs):
@@ -283,10 +284,8 @@ class BatchedSubprocVecEnv(SubsetSteppingMixin, VecEnv):
             self._shared.close()
             self._shared = None
 
-    def _gather(
-        self, name: str, data: Callable[[list[int]], Any], local: Callable[[gym.Env], Any], indices: VecEnvIndices
-    ) -> list[Any]:
-        """Run a command on the envs ``indices`` wherever they live; results in the order of ``indices``."""
+    def _gather(self, name: str, args: tuple[Any, ...], indices: VecEnvIndices) -> list[Any]:
+        """Run an :data:`ENV_COMMANDS` command on the envs ``indices`` wherever they live; results in their order."""
         self._check_usable()
         self._check_idle(name)
         assert self._local is not None
@@ -294,10 +293,10 @@ class BatchedSubprocVecEnv(SubsetSteppingMixin, VecEnv):
         local_ids = [i for i in order if i < self.n_local]
         remote = {w: ids for w in self._pool.workers if (ids := [i for i in order if w.first <= i < w.stop])}
         for worker, ids in remote.items():
-            self._pool.request(worker, name, data(ids))
+            self._pool.request(worker, name, (args, ids))
         results: dict[int, Any] = {}
         try:
-            results.update(zip(local_ids, [local(env) for env in self._local.targets(local_ids)], strict=True))
+            results.update(zip(local_ids, ENV_COMMANDS[name](self._local.targets(local_ids), args), strict=True))
         except BaseException:
             self._pool.replies_quietly(list(remote))
             raise
@@ -306,23 +305,16 @@ class BatchedSubprocVecEnv(SubsetSteppingMixin, VecEnv):
         return [results[i] for i in order]
 
     def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
-        return self._gather("get_attr", lambda ids: (attr_name, ids), lambda env: env.get_wrapper_attr(attr_name), indices)
+        return self._gather("get_attr", (attr_name,), indices)
 
     def set_attr(self, attr_name: str, value: Any, indices: VecEnvIndices = None) -> None:
-        self._gather("set_attr", lambda ids: (attr_name, value, ids), lambda env: setattr(env, attr_name, value), indices)
+        self._gather("set_attr", (attr_name, value), indices)
 
     def env_method(self, method_name: str, *method_args, indices: VecEnvIndices = None, **method_kwargs) -> list[Any]:
-        return self._gather(
-            "env_method",
-            lambda ids: (method_name, method_args, method_kwargs, ids),
-            lambda env: env.get_wrapper_attr(method_name)(*method_args, **method_kwargs),
-            indices,
-        )
+        return self._gather("env_method", (method_name, method_args, method_kwargs), indices)
 
     def env_is_wrapped(self, wrapper_class: type[gym.Wrapper], indices: VecEnvIndices = None) -> list[bool]:
-        return self._gather(
-            "is_wrapped", lambda ids: (wrapper_class, ids), lambda env: is_wrapped(env, wrapper_class), indices
-        )
+        return self._gather("is_wrapped", (wrapper_class,), indices)
 
     def get_images(self) -> Sequence[np.ndarray | None]:
         if self.render_mode != "rgb_array":
@@ -330,7 +322,7 @@ class BatchedSubprocVecEnv(SubsetSteppingMixin, VecEnv):
                 f"The render mode is {self.render_mode}, but this method assumes it is `rgb_array` to obtain images."
             )
             return [None for _ in range(self.num_envs)]
-        return self._gather("get_images", lambda ids: ids, lambda env: env.render(), None)
+        return self._gather("get_images", (), None)
 
     def worker_pids(self) -> list[int]:
         """:return: process ids of the running workers (the main process's own envs are not listed)"""

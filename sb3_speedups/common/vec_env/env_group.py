@@ -16,6 +16,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
+from stable_baselines3.common.env_util import is_wrapped
+from stable_baselines3.common.vec_env.patch_gym import _patch_env
 from stable_baselines3.common.vec_env.util import obs_space_info
 
 from sb3_speedups.common.vec_env.shared_memory import ArraySpec
@@ -100,6 +102,35 @@ def detach_info(info: dict[str, Any]) -> dict[str, Any]:
     return {key: value if type(value) in plain else deepcopy(value) for key, value in info.items()}
 
 
+def make_envs(env_fns: Sequence[Callable[[], gym.Env]], first: int, where: str) -> list[gym.Env]:
+    """
+    :param env_fns: functions that each create one env
+    :param first: VecEnv index of the first env, for error messages
+    :param where: ``main process``, ``worker N (pid P)``, ..., for error messages
+    :return: the envs, patched to the gymnasium API (those made before an error are closed)
+    """
+    envs: list[gym.Env] = []
+    try:
+        for env_fn in env_fns:
+            envs.append(_patch_env(env_fn()))
+    except Exception as exc:
+        annotate(exc, first + len(envs), "creation", where)
+        for env in envs:
+            env.close()
+        raise
+    return envs
+
+
+# The VecEnv commands other than step and reset, run on some envs of a group: name -> (envs, arguments) -> results.
+ENV_COMMANDS: dict[str, Callable[[Sequence[gym.Env], tuple[Any, ...]], list[Any]]] = {
+    "get_attr": lambda envs, args: [env.get_wrapper_attr(args[0]) for env in envs],
+    "set_attr": lambda envs, args: [setattr(env, args[0], args[1]) for env in envs],  # type: ignore[func-returns-value]
+    "env_method": lambda envs, args: [env.get_wrapper_attr(args[0])(*args[1], **args[2]) for env in envs],
+    "is_wrapped": lambda envs, args: [is_wrapped(env, args[0]) for env in envs],
+    "get_images": lambda envs, args: [env.render() for env in envs],
+}
+
+
 class EnvGroup:
     """
     The envs one process steps, writing their results into the shared arrays.
@@ -110,6 +141,8 @@ class EnvGroup:
     :param rewards: ``(n_envs,)`` float32 array
     :param dones: ``(n_envs,)`` bool array
     :param where: ``main process`` or ``worker N (pid P)``, for error messages
+    :param index_offset: added to an env's row in error messages: its VecEnv index where the arrays hold only
+        this group's rows (``first=0``)
     """
 
     def __init__(
@@ -120,6 +153,7 @@ class EnvGroup:
         rewards: np.ndarray,
         dones: np.ndarray,
         where: str,
+        index_offset: int = 0,
     ) -> None:
         self.envs = list(envs)
         self.first = first
@@ -127,6 +161,7 @@ class EnvGroup:
         self.rewards = rewards
         self.dones = dones
         self.where = where
+        self.index_offset = index_offset
         self._save_obs = self._obs_writer(obs_arrays)
 
     @staticmethod
@@ -173,7 +208,7 @@ class EnvGroup:
                         records.append((index, info, None))
                 save_obs(index, obs)
         except Exception as exc:
-            annotate(exc, index, "step", self.where)
+            annotate(exc, index + self.index_offset, "step", self.where)
             raise
         return records
 
@@ -194,7 +229,7 @@ class EnvGroup:
                 self._save_obs(index, obs)
                 reset_infos.append(reset_info)
         except Exception as exc:
-            annotate(exc, index, "reset", self.where)
+            annotate(exc, index + self.index_offset, "reset", self.where)
             raise
         return reset_infos
 

@@ -13,6 +13,7 @@ import os
 import pickle
 import signal
 from collections.abc import Callable
+from functools import partial
 from multiprocessing import parent_process, reduction
 from multiprocessing.connection import Connection
 from time import perf_counter
@@ -20,10 +21,8 @@ from typing import Any
 
 import cloudpickle
 import numpy as np
-from stable_baselines3.common.env_util import is_wrapped
-from stable_baselines3.common.vec_env.patch_gym import _patch_env
 
-from sb3_speedups.common.vec_env.env_group import EnvGroup, annotate, error_record, obs_keys
+from sb3_speedups.common.vec_env.env_group import ENV_COMMANDS, EnvGroup, error_record, make_envs, obs_keys
 from sb3_speedups.common.vec_env.info_codec import InfoEncoder
 from sb3_speedups.common.vec_env.shared_memory import ArraySpec, SharedArrays
 
@@ -121,13 +120,10 @@ class Worker:
             "attach": self._attach,
             "get_spaces": lambda _: (self.envs[0].observation_space, self.envs[0].action_space),
             "reset": self._reset,
-            "get_attr": lambda data: [env.get_wrapper_attr(data[0]) for env in self._targets(data[1])],
-            "set_attr": self._set_attr,
-            "env_method": self._env_method,
-            "is_wrapped": lambda data: [is_wrapped(env, data[0]) for env in self._targets(data[1])],
-            "get_images": lambda data: [env.render() for env in self._targets(data)],
             "close": self._close_envs,
         }
+        for name in ENV_COMMANDS:
+            self.pipe_handlers[name] = partial(self._env_command, name)
         self.commands: dict[int, Callable[[], bool]] = {STEP: self._step, PIPE: self._pipe_command}
 
     def _check_parent(self) -> None:
@@ -216,12 +212,7 @@ class Worker:
 
     def _make_envs(self, data: tuple[int, bytes]) -> None:
         self.first, fns_bytes = data
-        for index, env_fn in enumerate(cloudpickle.loads(fns_bytes), start=self.first):
-            try:
-                self.envs.append(_patch_env(env_fn()))
-            except Exception as exc:
-                annotate(exc, index, "creation", self.where)
-                raise
+        self.envs = make_envs(cloudpickle.loads(fns_bytes), self.first, self.where)
 
     def _attach(self, data: tuple[list[ArraySpec], Any, tuple[int, ...]]) -> None:
         specs, observation_space, self.action_shape = data
@@ -237,13 +228,9 @@ class Worker:
         assert self.group is not None
         return self.group.reset(*data)
 
-    def _set_attr(self, data: tuple[str, Any, list[int]]) -> list[None]:
-        name, value, indices = data
-        return [setattr(env, name, value) for env in self._targets(indices)]  # type: ignore[func-returns-value]
-
-    def _env_method(self, data: tuple[str, tuple[Any, ...], dict[str, Any], list[int]]) -> list[Any]:
-        name, args, kwargs, indices = data
-        return [env.get_wrapper_attr(name)(*args, **kwargs) for env in self._targets(indices)]
+    def _env_command(self, name: str, data: tuple[tuple[Any, ...], list[int]]) -> list[Any]:
+        args, indices = data  # the command's arguments, VecEnv indices of the envs to run it on
+        return ENV_COMMANDS[name](self._targets(indices), args)
 
     def _close_envs(self, _: Any) -> None:
         envs, self.envs = self.envs, []
