@@ -70,6 +70,7 @@ class FlatParameters:
             self.grad = th.zeros(total, dtype=first.dtype, device=first.device)
         self._offsets: dict[int, int] = starts
         self._divisor: th.Tensor | None = None  # clip_divisor's on the CPU
+        self._expected: tuple[int, list[int]] | None = None  # is_bound's data buffer address and parameter addresses
         with th.no_grad():
             for p in layout:
                 offset = starts[id(p)]
@@ -106,9 +107,12 @@ class FlatParameters:
 
     def is_bound(self) -> bool:
         """:return: whether every parameter still lives in the data buffer (``module.to()`` or ``p.data = ...`` undo it)"""
+        # Cheap enough for every env step: one pointer per parameter against a list built once per buffer address.
         base = self.data.data_ptr()
-        item = self.data.element_size()
-        return all(p.data.data_ptr() == base + self._offsets[id(p)] * item for p in self.params)
+        if self._expected is None or self._expected[0] != base:
+            item = self.data.element_size()
+            self._expected = (base, [base + self._offsets[id(p)] * item for p in self.params])
+        return list(map(th.Tensor.data_ptr, self.params)) == self._expected[1]
 
     def attach_grads(self) -> None:
         """Set every ``param.grad`` to its view of the gradient buffer, so autograd accumulates into it."""
