@@ -16,16 +16,14 @@ gradients for the actor loss, minibatches sampled ahead).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import stable_baselines3
 import torch as th
 
-from sb3_speedups.common.acting.off_policy import FrozenActorSampling, FrozenOffPolicyActor
-from sb3_speedups.common.off_policy.collection import FastOffPolicyCollection
-from sb3_speedups.common.off_policy.training import check_tau, largest_linear, mean_of, minibatches, split_minibatches
-from sb3_speedups.common.torch_utils import apply_num_threads, num_threads_during, update_num_threads
+from sb3_speedups.common.off_policy.algorithm import FastOffPolicyAlgorithm
+from sb3_speedups.common.off_policy.training import mean_of, minibatches, split_minibatches
+from sb3_speedups.common.torch_utils import num_threads_during, update_num_threads
 from sb3_speedups.errors import UserValueError
 from sb3_speedups.sac.update import AutogradSACUpdate, HandDerivedSACUpdate, SACStepLosses, sac_unsupported_reason
 
@@ -48,77 +46,28 @@ def check_ent_coef(ent_coef: Any) -> None:
         ) from None
 
 
-@dataclass
-class _Speedups:
-    """Speed-only state, rebuilt when the policy or its optimizer state is replaced (never saved)."""
-
-    updater: HandDerivedSACUpdate | AutogradSACUpdate
-    fallback_reason: str | None
-    #: inputs x outputs of the largest ``Linear`` layer (for the update's thread count)
-    largest_linear: int
-    #: the actor's frozen copy that acts during collection (with the hand-derived update), else ``None``
-    actor: FrozenOffPolicyActor | None
-
-
-class SAC(FrozenActorSampling, FastOffPolicyCollection, stable_baselines3.SAC):
+class SAC(FastOffPolicyAlgorithm, stable_baselines3.SAC):
     """
     Soft Actor-Critic, a drop-in for :class:`stable_baselines3.SAC` (same arguments, ``learn``, ``predict``, saved
     files); see :class:`stable_baselines3.SAC` for every argument not listed here.
 
-    :param num_threads: torch CPU threads; ``None`` keeps a value the user set, else uses the package default (1)
-    :param fast_update: use the hand-derived update for MLP policies (``False`` forces the autograd update)
+    See :class:`~sb3_speedups.common.off_policy.algorithm.FastOffPolicyAlgorithm` for ``num_threads`` and
+    ``fast_update``.
     """
 
-    def __init__(
-        self,
-        policy: Any,
-        env: Any,
-        *,
-        num_threads: int | None = None,
-        fast_update: bool = True,
-        _init_setup_model: bool = True,
-        **kwargs: Any,
-    ) -> None:
+    def _check_arguments(self, kwargs: dict[str, Any]) -> None:
         check_ent_coef(kwargs.get("ent_coef", "auto"))
-        check_tau(kwargs.get("tau", 0.005))
-        super().__init__(policy, env, _init_setup_model=False, **kwargs)
-        self.num_threads = num_threads
-        self.fast_update = fast_update
-        self._speedups: _Speedups | None = None
-        if _init_setup_model:
-            self._setup_model()
+        super()._check_arguments(kwargs)
 
-    def _setup_model(self) -> None:
-        apply_num_threads(self.num_threads)
-        super()._setup_model()
-        self._speedups = None
-
-    def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "_speedups"]
-
-    def fast_path_unsupported_reason(self) -> str | None:
-        """:return: why the hand-derived update cannot run this model (so the autograd one does), or ``None``"""
-        if not self.fast_update:
-            return "fast_update=False"
+    def _unsupported_reason(self) -> str | None:
         return sac_unsupported_reason(self.policy, self.use_sde)
 
-    def _ensure_speedups(self) -> _Speedups:
-        speed = self._speedups
-        if speed is not None and speed.updater.policy is self.policy and speed.updater.is_bound():
-            return speed
-        reason = self.fast_path_unsupported_reason()
+    def _make_updater(self, reason: str | None) -> HandDerivedSACUpdate | AutogradSACUpdate:
         assert isinstance(self.target_entropy, float)
         ent = (self.log_ent_coef, self.ent_coef_optimizer, getattr(self, "ent_coef_tensor", None), self.target_entropy)
-        updater: HandDerivedSACUpdate | AutogradSACUpdate
         if reason is None:
-            updater = HandDerivedSACUpdate(self.policy, *ent)
-        else:
-            updater = AutogradSACUpdate(self.policy, *ent, use_sde=self.use_sde)
-            if self.verbose >= 1:
-                print(f"sb3_speedups SAC: using the autograd update ({reason})")
-        actor = FrozenOffPolicyActor(self.actor) if reason is None else None
-        self._speedups = _Speedups(updater, reason, largest_linear(self.actor, self.critic), actor)
-        return self._speedups
+            return HandDerivedSACUpdate(self.policy, *ent)
+        return AutogradSACUpdate(self.policy, *ent, use_sde=self.use_sde)
 
     def train(self, gradient_steps: int, batch_size: int = 64) -> None:
         """Stock's SAC gradient steps (the same updates), hand-derived where the networks allow, else through autograd."""
