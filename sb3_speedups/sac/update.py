@@ -26,11 +26,11 @@ from stable_baselines3.sac.policies import Actor, SACPolicy
 
 from sb3_speedups.common.nn.flat import FlatParameters
 from sb3_speedups.common.nn.mlp import Mlp, parse_mlp
-from sb3_speedups.common.nn.optim import FlatAdam, FlatOptimizerStep, adam_unsupported_reason
+from sb3_speedups.common.nn.optim import FlatAdam, FlatOptimizerStep
 from sb3_speedups.common.off_policy.actor_net import ActorNet
 from sb3_speedups.common.off_policy.critics import (
+    actor_and_critic_training_reason,
     StackedCritics,
-    critic_unsupported_reason,
     flat_box_reason,
     foreach_polyak_,
     without_weight_gradients,
@@ -57,10 +57,7 @@ def sac_unsupported_reason(policy: SACPolicy, use_sde: bool) -> str | None:
         return f"actor: {reason}"
     if type(actor.mu) is not th.nn.Linear or type(actor.log_std) is not th.nn.Linear:
         return "actor heads are not Linear layers"
-    if any(p.dtype != th.float32 for p in actor.parameters()):
-        return "actor parameters are not float32"
-    reason = adam_unsupported_reason(actor.optimizer, list(actor.parameters()))
-    return reason or critic_unsupported_reason(policy.critic, policy.critic.optimizer)
+    return actor_and_critic_training_reason(actor, policy.critic)
 
 
 @dataclass

@@ -16,12 +16,12 @@ from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from stable_baselines3.td3.policies import Actor, TD3Policy
 
 from sb3_speedups.common.nn.mlp import TANH, Mlp, parse_mlp
-from sb3_speedups.common.nn.optim import FlatOptimizerStep, adam_unsupported_reason
+from sb3_speedups.common.nn.optim import FlatOptimizerStep
 from sb3_speedups.common.off_policy.actor_net import ActorNet
 from sb3_speedups.common.off_policy.batches import OffPolicyBatches
 from sb3_speedups.common.off_policy.critics import (
+    actor_and_critic_training_reason,
     StackedCritics,
-    critic_unsupported_reason,
     flat_box_reason,
     foreach_polyak_,
     polyak_,
@@ -46,10 +46,7 @@ def td3_unsupported_reason(policy: TD3Policy) -> str | None:
     reason = hidden.trainable_reason()
     if reason is not None:
         return f"actor: {reason}"
-    if any(p.dtype != th.float32 for p in actor.parameters()):
-        return "actor parameters are not float32"
-    reason = adam_unsupported_reason(actor.optimizer, list(actor.parameters()))
-    return reason or critic_unsupported_reason(policy.critic, policy.critic.optimizer)
+    return actor_and_critic_training_reason(actor, policy.critic)
 
 
 @dataclass

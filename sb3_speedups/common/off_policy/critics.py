@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch as th
 from gymnasium import spaces
-from stable_baselines3.common.policies import ContinuousCritic
+from stable_baselines3.common.policies import BasePolicy, ContinuousCritic
 from stable_baselines3.common.preprocessing import is_image_space
 from stable_baselines3.common.torch_layers import FlattenExtractor
 from torch import nn
@@ -52,6 +52,18 @@ def critic_unsupported_reason(critic: ContinuousCritic, optimizer: th.optim.Opti
     if any(p.dtype != th.float32 for p in critic.parameters()):
         return "critic parameters are not float32"
     return adam_unsupported_reason(optimizer, list(critic.parameters()))
+
+
+def actor_and_critic_training_reason(actor: BasePolicy, critic: ContinuousCritic) -> str | None:
+    """
+    :param actor: an actor whose network the hand-derived update already accepts (each algorithm checks its own)
+    :param critic: the critic
+    :return: why the two cannot train on flat float32 parameters with the fused Adam, or ``None``
+    """
+    if any(p.dtype != th.float32 for p in actor.parameters()):
+        return "actor parameters are not float32"
+    reason = adam_unsupported_reason(actor.optimizer, list(actor.parameters()))
+    return reason or critic_unsupported_reason(critic, critic.optimizer)
 
 
 def stacked_layout(mlps: Sequence[Mlp]) -> list[th.Tensor]:
