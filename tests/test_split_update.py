@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
 import os
 import signal
 import subprocess
@@ -175,7 +176,20 @@ def test_an_error_in_the_helper_is_raised_in_the_training_process() -> None:
     two.close()
 
 
-def test_ctrl_c_during_a_split_train_stops_at_a_minibatch_boundary() -> None:
+@pytest.fixture
+def python_ctrl_c() -> Iterator[None]:
+    """
+    Python's own Ctrl-C handling for the test: a process started in the background by a non-interactive shell
+    inherits SIGINT ignored, and Python then installs no ``KeyboardInterrupt`` handler.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_during_a_split_train_stops_at_a_minibatch_boundary(python_ctrl_c: None) -> None:
     model = _model(split_update=True)
     model.learn(64)  # one rollout, one train(): the helper runs
     updater = model._speedups.updater  # type: ignore[union-attr]
@@ -203,7 +217,7 @@ def test_ctrl_c_during_a_split_train_stops_at_a_minibatch_boundary() -> None:
     assert updater.helper_pid() is not None
 
 
-def test_deferred_sigint_raises_after_the_block() -> None:
+def test_deferred_sigint_raises_after_the_block(python_ctrl_c: None) -> None:
     reached = []
     with pytest.raises(KeyboardInterrupt):
         with deferred_sigint() as interrupted:
