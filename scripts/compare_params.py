@@ -67,6 +67,9 @@ CASES: dict[str, Case] = {
         Case(
             "ppo_lstm_novel_gru", "ppo_lstm", "CartPoleNoVel-v1", "hyperparams/ppo_lstm.yml", 8_000, {"policy": "MlpGruPolicy"}
         ),
+        Case("sac_pendulum", "sac", "Pendulum-v1", "hyperparams/sac.yml", 1_000),
+        Case("td3_pendulum", "td3", "Pendulum-v1", "hyperparams/td3.yml", 1_000, {"learning_starts": 500}),
+        Case("ddpg_pendulum", "ddpg", "Pendulum-v1", "hyperparams/ddpg.yml", 1_000, {"learning_starts": 500}),
     )
 }
 
@@ -108,13 +111,27 @@ def model_arrays(model: Any) -> dict[str, np.ndarray]:
     policy = model.policy
     arrays = {f"policy.{key}": as_array(value) for key, value in policy.state_dict().items()}
     names = {id(param): name for name, param in policy.named_parameters()}
-    optimizer = policy.optimizer
-    for group_index, group in enumerate(optimizer.param_groups):
-        arrays[f"optimizer.group{group_index}.lr"] = np.array(group["lr"])
-        for param_index, param in enumerate(group["params"]):
-            name = names.get(id(param), f"group{group_index}.param{param_index}")
-            for key, value in optimizer.state.get(param, {}).items():
-                arrays[f"optimizer.{name}.{key}"] = as_array(value)
+    # on-policy and DQN: one optimizer; SAC, TD3, DDPG: the actor's, the critic's (and SAC's entropy coefficient's)
+    optimizers = {
+        prefix: optimizer
+        for prefix, optimizer in (
+            ("optimizer", getattr(policy, "optimizer", None)),
+            ("actor_optimizer", getattr(getattr(policy, "actor", None), "optimizer", None)),
+            ("critic_optimizer", getattr(getattr(policy, "critic", None), "optimizer", None)),
+            ("ent_coef_optimizer", getattr(model, "ent_coef_optimizer", None)),
+        )
+        if optimizer is not None
+    }
+    if getattr(model, "log_ent_coef", None) is not None:
+        names[id(model.log_ent_coef)] = "log_ent_coef"
+        arrays["log_ent_coef"] = as_array(model.log_ent_coef)
+    for prefix, optimizer in optimizers.items():
+        for group_index, group in enumerate(optimizer.param_groups):
+            arrays[f"{prefix}.group{group_index}.lr"] = np.array(group["lr"])
+            for param_index, param in enumerate(group["params"]):
+                name = names.get(id(param), f"group{group_index}.param{param_index}")
+                for key, value in optimizer.state.get(param, {}).items():
+                    arrays[f"{prefix}.{name}.{key}"] = as_array(value)
     vec_normalize = model.get_vec_normalize_env()
     if vec_normalize is not None:
         for stat in ("obs_rms", "ret_rms"):

@@ -9,6 +9,7 @@ layer over their stacked views (:class:`MlpChain`); :class:`ActorCriticMlp` adds
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +40,12 @@ class _Workspace:
     grads_t: list[th.Tensor]
     #: numpy views of ``acts``, where the activation runs in numpy
     arrays: list[np.ndarray] | None
+    #: the matrices the products run on: ``acts``, ``grads``, ``acts_t``, ``grads_t`` as 2-D views when ``G == 1``
+    #: (``mm`` is bit-equal to a one-batch ``bmm`` and faster for large layers on two threads), else themselves
+    acts_m: list[th.Tensor]
+    grads_m: list[th.Tensor]
+    acts_t_m: list[th.Tensor]
+    grads_t_m: list[th.Tensor]
 
 
 @dataclass
@@ -48,6 +55,19 @@ class _Input:
     x: th.Tensor
     h: th.Tensor
     h_t: th.Tensor
+    #: ``h`` and ``h_t`` as the products take them (2-D when ``G == 1``)
+    h_m: th.Tensor
+    h_t_m: th.Tensor
+
+
+def _first(t: th.Tensor) -> th.Tensor:
+    """:return: the only network's 2-D view of a ``[1, ...]`` tensor"""
+    return t[0]
+
+
+def _whole(t: th.Tensor) -> th.Tensor:
+    """:return: ``t`` itself (several networks run as one batched product)"""
+    return t
 
 
 class MlpChain:
@@ -75,6 +95,18 @@ class MlpChain:
         self.grad_weights = [layer.weight for layer in grads.layers]
         self.grad_biases = biases(grads.layers)
         self.grad_weights_t = [g.transpose(1, 2) for g in self.grad_weights]
+        # One network runs on 2-D views with mm/addmm; several on 3-D ones with bmm/baddbmm.
+        single = self.groups == 1
+        self._mat = _first if single else _whole
+        self._mm: Callable[..., th.Tensor] = th.mm if single else th.bmm
+        self._addmm: Callable[..., th.Tensor] = th.addmm if single else th.baddbmm
+        self._row_dim = 0 if single else 1
+        self._weights_m = [self._mat(w) for w in self.weights]
+        self._weights_t_m = [self._mat(w) for w in self.weights_t]
+        self._biases_m = [self._mat(b) for b in self.biases]
+        self._grad_weights_m = [self._mat(g) for g in self.grad_weights]
+        self._grad_weights_t_m = [self._mat(g) for g in self.grad_weights_t]
+        self._grad_biases_m = [self._mat(g) for g in self.grad_biases]
         self.ws: dict[int, _Workspace] = {}
         self._input: _Input | None = None
         # row-cut views of a workspace and its input, for backward passes over the first rows of a forward
@@ -86,12 +118,19 @@ class MlpChain:
         acts = [th.empty(self.groups, n, w.shape[1], device=x.device) for w in self.weights]
         grads = [th.empty(self.groups, n, w.shape[1], device=x.device) for w in self.weights]
         numpy = self.activation.numpy_on_cpu and x.device.type == "cpu"
+        acts_t = [buffer.transpose(1, 2) for buffer in acts]
+        grads_t = [buffer.transpose(1, 2) for buffer in grads]
+        mat = self._mat
         self.ws[n] = _Workspace(
             acts,
             grads,
-            [buffer.transpose(1, 2) for buffer in acts],
-            [buffer.transpose(1, 2) for buffer in grads],
+            acts_t,
+            grads_t,
             [buffer.numpy() for buffer in acts] if numpy else None,
+            [mat(t) for t in acts],
+            [mat(t) for t in grads],
+            [mat(t) for t in acts_t],
+            [mat(t) for t in grads_t],
         )
         return self.ws[n]
 
@@ -105,21 +144,21 @@ class MlpChain:
         given = self._input
         if given is None or given.x is not x:
             h = x.expand(self.groups, n, x.shape[1])
-            given = self._input = _Input(x, h, h.transpose(1, 2))
-        h = given.h
+            h_t = h.transpose(1, 2)
+            given = self._input = _Input(x, h, h_t, self._mat(h), self._mat(h_t))
         if not self.weights:
-            return h
+            return given.h
         ws = self.ws.get(n) or self._workspace(n, x)
-        arrays = ws.arrays
+        h, addmm, arrays = given.h_m, self._addmm, ws.arrays
         if arrays is None:
-            for w_t, b, out in zip(self.weights_t, self.biases, ws.acts, strict=True):
-                h = self._activate_(th.baddbmm(b, h, w_t, out=out))
-            return h
+            for w_t, b, out in zip(self._weights_t_m, self._biases_m, ws.acts_m, strict=True):
+                h = self._activate_(addmm(b, h, w_t, out=out))
+            return ws.acts[-1]
         numpy_ = self._numpy_
-        for w_t, b, out, array in zip(self.weights_t, self.biases, ws.acts, arrays, strict=True):
-            h = th.baddbmm(b, h, w_t, out=out)
+        for w_t, b, out, array in zip(self._weights_t_m, self._biases_m, ws.acts_m, arrays, strict=True):
+            h = addmm(b, h, w_t, out=out)
             numpy_(array)  # the activation on numpy views made once
-        return h
+        return ws.acts[-1]
 
     def _activate_(self, x: th.Tensor) -> th.Tensor:
         """Apply the activation in place: numpy's kernel on contiguous CPU tensors where it is the faster one."""
@@ -137,40 +176,50 @@ class MlpChain:
             the observations and the next observations in one forward and back-propagates the first half only)
         """
         ws, h, h_t = self._rows(d_last, n)
-        backward_ = self._backward
-        d = d_last
-        d_t = ws.grads_t[-1] if d_last is ws.grads[-1] else d_last.transpose(1, 2)
+        backward_, mm = self._backward, self._mm
+        if d_last is ws.grads[-1]:
+            d, d_t = ws.grads_m[-1], ws.grads_t_m[-1]
+        else:
+            d = self._mat(d_last)
+            d_t = d.mT
         for k in range(len(self.weights) - 1, -1, -1):
-            backward_(d, ws.acts[k])
-            gw = self.grad_weights[k]
-            if gw.shape[2] < gw.shape[1]:
+            backward_(d, ws.acts_m[k])
+            gw = self._grad_weights_m[k]
+            if gw.shape[-1] < gw.shape[-2]:
                 # [out, n] @ [n, in] with a narrow `in` is a poor GEMM shape; its transpose is not.
-                below_t = ws.acts_t[k - 1] if k > 0 else h_t
-                self.grad_weights_t[k].copy_(th.bmm(below_t, d))
+                below_t = ws.acts_t_m[k - 1] if k > 0 else h_t
+                self._grad_weights_t_m[k].copy_(mm(below_t, d))
             else:
-                th.bmm(d_t, ws.acts[k - 1] if k > 0 else h, out=gw)
-            th.sum(d, 1, out=self.grad_biases[k])
+                mm(d_t, ws.acts_m[k - 1] if k > 0 else h, out=gw)
+            th.sum(d, self._row_dim, out=self._grad_biases_m[k])
             if k > 0:
-                d = th.bmm(d, self.weights[k], out=ws.grads[k - 1])
-                d_t = ws.grads_t[k - 1]
+                d = mm(d, self._weights_m[k], out=ws.grads_m[k - 1])
+                d_t = ws.grads_t_m[k - 1]
 
     def _rows(self, d_last: th.Tensor, n: int | None) -> tuple[_Workspace, th.Tensor, th.Tensor]:
-        """:return: the workspace of the last forward and its input, cut to ``d_last``'s rows"""
+        """:return: the workspace of the last forward and its input (as the products take it), cut to ``d_last``'s rows"""
         rows = d_last.shape[1]
         ws, given = self.ws[rows if n is None else n], self._input
         assert given is not None, "backward before forward"
         if n is None or n == rows:
-            return ws, given.h, given.h_t
+            return ws, given.h_m, given.h_t_m
         cut = self._cuts.get((n, rows))
         if cut is None or cut[1] is not given:
+            acts, grads = [a[:, :rows] for a in ws.acts], [g[:, :rows] for g in ws.grads]
+            acts_t, grads_t = [a[:, :, :rows] for a in ws.acts_t], [g[:, :, :rows] for g in ws.grads_t]
+            mat = self._mat
             part = _Workspace(
-                [a[:, :rows] for a in ws.acts],
-                [g[:, :rows] for g in ws.grads],
-                [a[:, :, :rows] for a in ws.acts_t],
-                [g[:, :, :rows] for g in ws.grads_t],
+                acts,
+                grads,
+                acts_t,
+                grads_t,
                 None,
+                [mat(t) for t in acts],
+                [mat(t) for t in grads],
+                [mat(t) for t in acts_t],
+                [mat(t) for t in grads_t],
             )
-            cut = self._cuts[(n, rows)] = (part, given, given.h[:, :rows], given.h_t[:, :, :rows])
+            cut = self._cuts[(n, rows)] = (part, given, mat(given.h[:, :rows]), mat(given.h_t[:, :, :rows]))
         return cut[0], cut[2], cut[3]
 
     def backward_input(self, d_last: th.Tensor, columns: slice) -> th.Tensor:
@@ -182,13 +231,14 @@ class MlpChain:
         :param columns: the input columns whose gradient is wanted
         :return: the gradient of those input columns ``[G, n, len(columns)]`` (a new tensor)
         """
-        ws, backward_ = self.ws[d_last.shape[1]], self._backward
-        d = d_last
+        ws, backward_, mm = self.ws[d_last.shape[1]], self._backward, self._mm
+        d = ws.grads_m[-1] if d_last is ws.grads[-1] else self._mat(d_last)
         for k in range(len(self.weights) - 1, 0, -1):
-            backward_(d, ws.acts[k])
-            d = th.bmm(d, self.weights[k], out=ws.grads[k - 1])
-        backward_(d, ws.acts[0])
-        return th.bmm(d, self.weights[0][:, :, columns])
+            backward_(d, ws.acts_m[k])
+            d = mm(d, self._weights_m[k], out=ws.grads_m[k - 1])
+        backward_(d, ws.acts_m[0])
+        d_input = mm(d, self._weights_m[0][..., columns])
+        return d_input.unsqueeze(0) if self.groups == 1 else d_input
 
     @th.no_grad()
     def forward_one(self, x: th.Tensor, g: int) -> th.Tensor:
