@@ -194,3 +194,25 @@ def test_squashed_gaussian_backward_equals_autograd_with_clamped_log_std() -> No
     expected[8:16, :k] = d_out[8:16, :k]
     th.testing.assert_close(d_out, expected, rtol=1e-9, atol=1e-9)
     assert th.all(d_out[8:16, k:] == 0) and th.all(d_out[:8, k:] == 0)
+
+
+def test_bundled_fast_sac_config_builds_ours_with_small_nets() -> None:
+    """hyperparams/sac_fast.yml: every section builds our SAC with its 64x64 networks and trains."""
+    from pathlib import Path
+
+    from sb3_speedups.zoo.envs import make_env
+    from sb3_speedups.zoo.hyperparams import load_yaml_file
+    from sb3_speedups.zoo.train import TrainConfig, create_model, prepare_experiment
+
+    conf = Path(__file__).resolve().parents[1] / "hyperparams" / "sac_fast.yml"
+    env_ids = list(load_yaml_file(conf))
+    assert {"Pendulum-v1", "InvertedPendulum-v5"} <= set(env_ids)
+    for env_id in env_ids:
+        overrides = {"learning_starts": 50}
+        config = TrainConfig("sac", env_id, n_timesteps=100, seed=0, conf_file=str(conf), hyperparams=overrides)
+        experiment = prepare_experiment(config)
+        model = create_model(experiment, make_env(env_id, experiment.hyperparams, 1, seed=0))
+        assert isinstance(model, SAC) and model.batch_size == 128
+        assert [m.out_features for m in model.actor.latent_pi if isinstance(m, th.nn.Linear)] == [64, 64]
+        model.learn(100)
+        assert model._n_updates > 0
