@@ -89,16 +89,16 @@ def gru_sequences(
     for layer in range(rnns[0].num_layers):
         weights = [_stacked([getattr(rnn, f"{name}_l{layer}") for rnn in rnns]) for name in WEIGHT_NAMES]
         out = GruLayer.apply(x, _stacked([h0[layer] for h0 in h0s]), *weights)
-        finals.append(out[-1])
-        x = out.transpose(0, 1).reshape(k, seq_len * n, -1)
-    return [(out[:, i], th.stack([final[i] for final in finals])) for i in range(k)]
+        finals.append(out[:, -1])
+        x = out.reshape(k, seq_len * n, -1)
+    return [(out[i], th.stack([final[i] for final in finals])) for i in range(k)]
 
 
 class GruLayer(th.autograd.Function):
     """
     ``k`` GRU layers of one shape in lockstep over ``seq_len`` steps of ``n`` sequences: inputs ``(k, seq_len * n,
     input)`` (step-major rows), initial states ``(k, n, hidden)``, weights stacked on a first axis of size ``k``;
-    outputs ``(seq_len, k, n, hidden)``, with a hand-derived backward.
+    outputs ``(k, seq_len, n, hidden)``, with a hand-derived backward.
     """
 
     @staticmethod
@@ -107,14 +107,16 @@ class GruLayer(th.autograd.Function):
     ) -> th.Tensor:
         k, n, hidden = h0.shape
         seq_len, h2 = x.shape[1] // n, 2 * hidden
-        gi = th.baddbmm(b_ih.unsqueeze(1), x, w_ih.transpose(1, 2)).view(k, seq_len, n, 3 * hidden).transpose(0, 1)
-        # Per step: what the recurrent product adds to (r, z: input part and both biases; n: its recurrent bias),
-        # then, in place, r and z and n's recurrent pre-activation, kept for the backward.
+        gi = th.baddbmm(b_ih.unsqueeze(1), x, w_ih.transpose(1, 2)).view(k, seq_len, n, 3 * hidden)
+        # Per step (contiguous for the recurrent product): what that product adds to (r, z: input part and both
+        # biases; n: its recurrent bias), then, in place, r and z and n's recurrent pre-activation, kept for the backward.
         gates = x.new_empty((seq_len, k, n, 3 * hidden))
-        th.add(gi[..., :h2], b_hh[:, None, :h2], out=gates[..., :h2])
+        th.add(gi[..., :h2].transpose(0, 1), b_hh[:, None, :h2], out=gates[..., :h2])
         gates[..., h2:] = b_hh[:, None, h2:]
         new = x.new_empty((seq_len, k, n, hidden))
-        out = x.new_empty((seq_len, k, n, hidden))
+        # states[:, 0] = h0, states[:, t + 1] = the output of step t: the backward reads h_{t-1} as a view
+        states = x.new_empty((k, seq_len + 1, n, hidden))
+        states[:, 0] = h0
         w_hh_t, h = w_hh.transpose(1, 2).contiguous(), h0
         # every step's views made in a few calls: slicing inside the loop costs as much as the arithmetic
         steps = zip(
@@ -123,9 +125,9 @@ class GruLayer(th.autograd.Function):
             gates[..., :hidden].unbind(0),
             gates[..., hidden:h2].unbind(0),
             gates[..., h2:].unbind(0),
-            gi[..., h2:].unbind(0),
+            gi[..., h2:].unbind(1),
             new.unbind(0),
-            out.unbind(0),
+            states[:, 1:].unbind(1),
             strict=True,
         )
         for gates_t, rz_t, r_t, z_t, gh_n_t, gi_n_t, new_t, out_t in steps:
@@ -133,43 +135,52 @@ class GruLayer(th.autograd.Function):
             rz_t.sigmoid_()
             th.addcmul(gi_n_t, gh_n_t, r_t, out=new_t).tanh_()
             h = th.lerp(new_t, h, z_t, out=out_t)  # (1 - z) * n + z * h
-        ctx.save_for_backward(x, h0, w_ih, w_hh, out)
+        ctx.save_for_backward(x, w_ih, w_hh, states)
         ctx.gates, ctx.new = gates, new
-        return out
+        return states[:, 1:]
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: th.Tensor) -> tuple[th.Tensor | None, ...]:  # type: ignore[override]
-        x, h0, w_ih, w_hh, out = ctx.saved_tensors
-        seq_len, k, n, hidden = out.shape
-        h2, rows = 2 * hidden, seq_len * n
+        x, w_ih, w_hh, states = ctx.saved_tensors
+        k, seq_len, n, hidden = grad_out.shape
+        h2, h3, rows = 2 * hidden, 3 * hidden, seq_len * n
         gates, new = ctx.gates, ctx.new
-        r, z, gh_n = gates[..., :hidden], gates[..., hidden:h2], gates[..., h2:]
-        h_prev = th.cat([h0.unsqueeze(0), out[:-1]])
-        d_new = (1.0 - z).mul_(1.0 - new * new)
+        rz, r, z, gh_n = gates[..., :h2], gates[..., :hidden], gates[..., hidden:h2], gates[..., h2:]
+        h_prev = states[:, :-1]
+        d_new = (1.0 - new * new).mul_(1.0 - z)
         # d(recurrent pre-activations r, z, n of step t) = d(out_t) * slope, and d(out_t)/d(h_{t-1}) outside the
         # recurrent product is z: [slope_r, slope_z, slope_n, z] times [W_hh; I] is one product per step.
-        slope = gates.new_empty((seq_len, k, n, 4, hidden))
-        th.mul(d_new, gh_n, out=slope[..., 0, :]).mul_(r).mul_(1.0 - r)
-        th.sub(h_prev, new, out=slope[..., 1, :]).mul_(z).mul_(1.0 - z)
+        # grads[:, t] holds step t's slope until the loop multiplies it by d(out_t) in place.
+        grads = x.new_empty((k, seq_len, n, 4, hidden))
+        slope = grads.transpose(0, 1)  # the gates' step-major layout
+        th.mul(d_new, gh_n, out=slope[..., 0, :])
+        th.sub(h_prev.transpose(0, 1), new, out=slope[..., 1, :])
+        slope[..., :2, :].mul_(th.addcmul(rz, rz, rz, value=-1.0).view(seq_len, k, n, 2, hidden))  # r(1-r), z(1-z)
         th.mul(d_new, r, out=slope[..., 2, :])
         slope[..., 3, :] = z
         eye = th.eye(hidden, dtype=w_hh.dtype, device=w_hh.device).expand(k, hidden, hidden)
         w_hh_eye = th.cat([w_hh, eye], dim=1)
-        d_gh = th.empty_like(slope)
         # d_states[t + 1]: d(loss)/d(out_t), through every later step once the loop has passed t; d_states[0]: d/d(h0)
-        d_states = th.cat([grad_out.new_zeros((1, k, n, hidden)), grad_out])
+        d_states = x.new_empty((seq_len + 1, k, n, hidden))
+        d_states[0] = 0.0
+        d_states[1:] = grad_out.transpose(0, 1)
         d_steps, d_steps_4 = d_states.unbind(0), d_states.unsqueeze(3).unbind(0)
-        slopes, d_ghs, d_gh_rows = slope.unbind(0), d_gh.unbind(0), d_gh.view(seq_len, k, n, 4 * hidden).unbind(0)
+        step_grads, step_rows = grads.unbind(1), grads.view(k, seq_len, n, 4 * hidden).unbind(1)
         for t in range(seq_len - 1, -1, -1):
-            th.mul(d_steps_4[t + 1], slopes[t], out=d_ghs[t])
-            d_steps[t].baddbmm_(d_gh_rows[t], w_hh_eye)
-        # per GRU, step-major rows: (k, seq_len * n, 3 * hidden)
-        flat_gh = d_gh[..., :3, :].transpose(0, 1).reshape(k, rows, 3 * hidden)
-        flat_gi = flat_gh.clone()
-        th.mul(d_states[1:], d_new, out=flat_gi.view(k, seq_len, n, 3 * hidden)[..., h2:].transpose(0, 1))
-        d_x = th.bmm(flat_gi, w_ih) if ctx.needs_input_grad[0] else None
-        h_prev_rows = h_prev.transpose(0, 1).reshape(k, rows, hidden)
-        d_w_ih = th.bmm(flat_gi.transpose(1, 2), x)
-        d_w_hh = th.bmm(flat_gh.transpose(1, 2), h_prev_rows)
-        return d_x, d_steps[0], d_w_ih, d_w_hh, flat_gi.sum(1), flat_gh.sum(1)
+            step_grads[t].mul_(d_steps_4[t + 1])
+            d_steps[t].baddbmm_(step_rows[t], w_hh_eye)
+        # slot 3 (d(out_t) * z) is spent: it becomes d(gi_n) = d(out_t) * d_new, so that the slots are
+        # [d r, d z, d gh_n, d gi_n] and each weight gradient is one product over all steps
+        th.mul(d_states[1:], d_new, out=slope[..., 3, :])
+        flat = grads.view(k, rows, 4 * hidden)
+        sums = flat.sum(1)
+        # products with the strided slot columns on the right, where BLAS reads them in place
+        d_w_hh = th.bmm(h_prev.reshape(k, rows, hidden).transpose(1, 2), flat[..., :h3]).transpose(1, 2)
+        x_flat = th.bmm(x.transpose(1, 2), flat)
+        d_w_ih = th.cat([x_flat[..., :h2], x_flat[..., h3:]], dim=2).transpose(1, 2)
+        d_x = None
+        if ctx.needs_input_grad[0]:
+            d_x = th.bmm(th.cat([flat[..., :h2], flat[..., h3:]], dim=2), w_ih)
+        d_b_ih = th.cat([sums[:, :h2], sums[:, h3:]], dim=1)
+        return d_x, d_steps[0], d_w_ih, d_w_hh, d_b_ih, sums[:, :h3]
