@@ -13,8 +13,10 @@ from typing import Any
 import torch as th
 from gymnasium import spaces
 from sb3_contrib.common.recurrent import policies as contrib
+from stable_baselines3.common.distributions import CategoricalDistribution
 from stable_baselines3.common.type_aliases import Schedule
 from torch import nn
+from torch.nn import functional as F
 
 from sb3_contrib.common.recurrent.type_aliases import RNNStates
 
@@ -89,6 +91,23 @@ def _grus_from_sequence_starts(
     ]
 
 
+def categorical_log_prob_and_entropy(logits: th.Tensor, actions: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
+    """
+    ``Categorical(logits=logits).log_prob(actions)`` and ``.entropy()`` with the same operations (so the same values
+    and gradients), without the distribution object and its argument checks.
+
+    :param logits: ``(n, n_actions)`` unnormalised log-probabilities
+    :param actions: action indices, ``(n,)`` (or any shape ``Categorical.log_prob`` takes)
+    :return: the log-probabilities of ``actions`` and the entropies, each ``(n,)``
+    """
+    log_p = logits - logits.logsumexp(dim=-1, keepdim=True)
+    # torch's broadcasting: actions of any shape that broadcasts against the batch shape, as there
+    value, log_pmf = th.broadcast_tensors(actions.long().unsqueeze(-1), log_p)
+    log_prob = log_pmf.gather(-1, value[..., :1]).squeeze(-1)
+    p_log_p = th.clamp(log_p, min=th.finfo(log_p.dtype).min) * F.softmax(log_p, dim=-1)
+    return log_prob, -p_log_p.sum(-1)
+
+
 class _FastRecurrentMixin:
     """Swaps the LSTMs for GRUs when asked and uses :func:`process_sequence`."""
 
@@ -127,21 +146,32 @@ class _FastRecurrentMixin:
     def evaluate_actions(
         self, obs: th.Tensor, actions: th.Tensor, lstm_states: RNNStates, episode_starts: th.Tensor
     ) -> tuple[th.Tensor, th.Tensor, th.Tensor]:
-        """sb3-contrib's ``evaluate_actions``; with GRUs for actor and critic, both run in one lockstep pass."""
+        """
+        sb3-contrib's ``evaluate_actions`` (same values and gradients) for an actor and a critic with recurrent layers
+        of their own: GRUs run in one lockstep pass, and a ``Discrete`` action's log-probability and entropy are
+        computed without building distribution objects (:func:`categorical_log_prob_and_entropy`).
+        """
         policy: Any = self
-        if not (isinstance(policy.lstm_actor, nn.GRU) and isinstance(policy.lstm_critic, nn.GRU)):
+        if policy.lstm_critic is None:
             return super().evaluate_actions(obs, actions, lstm_states, episode_starts)  # type: ignore[misc]
         features = policy.extract_features(obs)
         pi_features, vf_features = (features, features) if policy.share_features_extractor else features
-        (latent_pi, _), (latent_vf, _) = process_gru_sequences(
-            [pi_features, vf_features],
-            [lstm_states.pi, lstm_states.vf],
-            episode_starts,
-            [policy.lstm_actor, policy.lstm_critic],
-        )
-        distribution = policy._get_action_dist_from_latent(policy.mlp_extractor.forward_actor(latent_pi))
-        values = policy.value_net(policy.mlp_extractor.forward_critic(latent_vf))
-        return values, distribution.log_prob(actions), distribution.entropy()
+        rnns = [policy.lstm_actor, policy.lstm_critic]
+        if all(isinstance(rnn, nn.GRU) for rnn in rnns):
+            (latent_pi, _), (latent_vf, _) = process_gru_sequences(
+                [pi_features, vf_features], [lstm_states.pi, lstm_states.vf], episode_starts, rnns
+            )
+        else:
+            latent_pi, _ = process_sequence(pi_features, lstm_states.pi, episode_starts, policy.lstm_actor)
+            latent_vf, _ = process_sequence(vf_features, lstm_states.vf, episode_starts, policy.lstm_critic)
+        latent_pi = policy.mlp_extractor.forward_actor(latent_pi)
+        latent_vf = policy.mlp_extractor.forward_critic(latent_vf)
+        if type(policy.action_dist) is CategoricalDistribution:
+            log_prob, entropy = categorical_log_prob_and_entropy(policy.action_net(latent_pi), actions)
+            return policy.value_net(latent_vf), log_prob, entropy
+        distribution = policy._get_action_dist_from_latent(latent_pi)
+        log_prob = distribution.log_prob(actions)
+        return policy.value_net(latent_vf), log_prob, distribution.entropy()
 
     def _get_constructor_parameters(self) -> dict[str, Any]:
         data = super()._get_constructor_parameters()  # type: ignore[misc]
