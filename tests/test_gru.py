@@ -157,3 +157,21 @@ def test_first_train_of_recurrent_ppo_gru_within_1e_6_of_nn_gru(monkeypatch: pyt
     print("max difference after the first train():", max(differences.values()))
     assert max(differences.values()) <= 1e-6, differences
     assert any(name.startswith("lstm_actor.weight_hh") for name in ours)  # the nn.GRU parameters, as sb3-contrib saves them
+
+
+def test_gru_layers_of_one_shape_keep_their_buffers_apart_until_their_backward() -> None:
+    """Two forwards of one shape before either backward: each backward reads its own forward's gates; a second
+    backward through a graph whose buffers a later forward took raises instead of reading them."""
+    th.manual_seed(0)
+    rnn, x = nn.GRU(3, 8), th.randn(5, 2, 3)
+    h0s = [th.randn(1, 2, 8, requires_grad=True) for _ in range(2)]
+    outs = [gru_sequence(rnn, x, h0)[0].sum() for h0 in h0s]
+    got = [th.autograd.grad(out, [h0]) for out, h0 in zip(reversed(outs), reversed(h0s), strict=True)]
+    want = [th.autograd.grad(rnn(x, h0)[0].sum(), [h0]) for h0 in reversed(h0s)]
+    for a, b in zip(got, want, strict=True):
+        assert_close_relative(a[0], b[0])
+    out = gru_sequence(rnn, x, h0s[0])[0].sum()
+    th.autograd.grad(out, [h0s[0]], retain_graph=True)
+    gru_sequence(rnn, x, h0s[1])[0].sum()  # takes the same shape's buffers, now free
+    with pytest.raises(RuntimeError, match="reused by a later forward"):
+        th.autograd.grad(out, [h0s[0]])

@@ -16,7 +16,9 @@ models are unchanged.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch as th
@@ -24,6 +26,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 WEIGHT_NAMES = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+SCRATCH_CAPACITY = 16  # shapes whose forward buffers are kept (a training run sees a handful of sequence counts)
 
 
 def gru_unsupported_reason(rnn: nn.GRU, sequence: th.Tensor) -> str | None:
@@ -94,6 +97,70 @@ def gru_sequences(
     return [(out[i], th.stack([final[i] for final in finals])) for i in range(k)]
 
 
+@dataclass(slots=True)
+class GruScratch:
+    """
+    A forward's buffers for one shape, with every step's views made once (making them costs as much as the
+    arithmetic); a later forward of that shape reuses them once the backward that reads them has run.
+
+    :param gi: input projections ``(k, seq_len, n, 3 * hidden)``
+    :param gates: per step, r and z and n's recurrent pre-activation ``(seq_len, k, n, 3 * hidden)``
+    :param new: the candidate states n ``(seq_len, k, n, hidden)``
+    :param steps: per step, the views ``gates_t, rz_t, r_t, z_t, gh_n_t, gi_n_t, new_t``
+    :param token: the forward whose backward may read the buffers
+    :param busy: whether that backward is still to come
+    """
+
+    gi: th.Tensor
+    gates: th.Tensor
+    new: th.Tensor
+    steps: list[tuple[th.Tensor, ...]]
+    token: object = field(default_factory=object)
+    busy: bool = False
+
+    @classmethod
+    def make(cls, k: int, seq_len: int, n: int, hidden: int, like: th.Tensor) -> GruScratch:
+        """:return: fresh buffers for ``k`` layers of ``hidden`` units over ``seq_len`` steps of ``n`` sequences"""
+        h2 = 2 * hidden
+        gi = like.new_empty((k, seq_len, n, 3 * hidden))
+        gates = like.new_empty((seq_len, k, n, 3 * hidden))
+        new = like.new_empty((seq_len, k, n, hidden))
+        views = (
+            gates.unbind(0),
+            gates[..., :h2].unbind(0),
+            gates[..., :hidden].unbind(0),
+            gates[..., hidden:h2].unbind(0),
+            gates[..., h2:].unbind(0),
+            gi[..., h2:].unbind(1),
+            new.unbind(0),
+        )
+        return cls(gi, gates, new, list(zip(*views, strict=True)))
+
+    def release(self, token: object) -> None:
+        """Free the buffers for reuse if ``token``'s forward still owns them."""
+        if token is self.token:
+            self.busy = False
+
+
+_scratch_cache: dict[tuple[int, int, int, int], GruScratch] = {}
+
+
+def _take_scratch(k: int, seq_len: int, n: int, hidden: int, like: th.Tensor) -> GruScratch:
+    """:return: the kept buffers of this shape when free, else fresh ones (kept when the shape is new)"""
+    key = (k, seq_len, n, hidden)
+    kept = _scratch_cache.get(key)
+    if kept is not None and not kept.busy:
+        scratch = kept
+    else:
+        scratch = GruScratch.make(k, seq_len, n, hidden, like)
+        if kept is None:
+            if len(_scratch_cache) >= SCRATCH_CAPACITY:
+                del _scratch_cache[next(iter(_scratch_cache))]
+            _scratch_cache[key] = scratch
+    scratch.token, scratch.busy = object(), True
+    return scratch
+
+
 class GruLayer(th.autograd.Function):
     """
     ``k`` GRU layers of one shape in lockstep over ``seq_len`` steps of ``n`` sequences: inputs ``(k, seq_len * n,
@@ -107,36 +174,31 @@ class GruLayer(th.autograd.Function):
     ) -> th.Tensor:
         k, n, hidden = h0.shape
         seq_len, h2 = x.shape[1] // n, 2 * hidden
-        gi = th.baddbmm(b_ih.unsqueeze(1), x, w_ih.transpose(1, 2)).view(k, seq_len, n, 3 * hidden)
+        scratch = _take_scratch(k, seq_len, n, hidden, x)
+        gi, gates = scratch.gi, scratch.gates
+        th.baddbmm(b_ih.unsqueeze(1), x, w_ih.transpose(1, 2), out=gi.view(k, seq_len * n, 3 * hidden))
         # Per step (contiguous for the recurrent product): what that product adds to (r, z: input part and both
         # biases; n: its recurrent bias), then, in place, r and z and n's recurrent pre-activation, kept for the backward.
-        gates = x.new_empty((seq_len, k, n, 3 * hidden))
         th.add(gi[..., :h2].transpose(0, 1), b_hh[:, None, :h2], out=gates[..., :h2])
         gates[..., h2:] = b_hh[:, None, h2:]
-        new = x.new_empty((seq_len, k, n, hidden))
         # states[:, 0] = h0, states[:, t + 1] = the output of step t: the backward reads h_{t-1} as a view
         states = x.new_empty((k, seq_len + 1, n, hidden))
         states[:, 0] = h0
         w_hh_t, h = w_hh.transpose(1, 2).contiguous(), h0
-        # every step's views made in a few calls: slicing inside the loop costs as much as the arithmetic
-        steps = zip(
-            gates.unbind(0),
-            gates[..., :h2].unbind(0),
-            gates[..., :hidden].unbind(0),
-            gates[..., hidden:h2].unbind(0),
-            gates[..., h2:].unbind(0),
-            gi[..., h2:].unbind(1),
-            new.unbind(0),
-            states[:, 1:].unbind(1),
-            strict=True,
-        )
-        for gates_t, rz_t, r_t, z_t, gh_n_t, gi_n_t, new_t, out_t in steps:
+        for (gates_t, rz_t, r_t, z_t, gh_n_t, gi_n_t, new_t), out_t in zip(
+            scratch.steps, states[:, 1:].unbind(1), strict=True
+        ):
             gates_t.baddbmm_(h, w_hh_t)
             rz_t.sigmoid_()
             th.addcmul(gi_n_t, gh_n_t, r_t, out=new_t).tanh_()
             h = th.lerp(new_t, h, z_t, out=out_t)  # (1 - z) * n + z * h
         ctx.save_for_backward(x, w_ih, w_hh, states)
-        ctx.gates, ctx.new = gates, new
+        ctx.scratch, ctx.token = scratch, scratch.token
+        if any(ctx.needs_input_grad):
+            # released by the backward, or when the graph is dropped without one
+            weakref.finalize(ctx, scratch.release, scratch.token)
+        else:
+            scratch.release(scratch.token)
         return states[:, 1:]
 
     @staticmethod
@@ -145,7 +207,13 @@ class GruLayer(th.autograd.Function):
         x, w_ih, w_hh, states = ctx.saved_tensors
         k, seq_len, n, hidden = grad_out.shape
         h2, h3, rows = 2 * hidden, 3 * hidden, seq_len * n
-        gates, new = ctx.gates, ctx.new
+        scratch = ctx.scratch
+        if scratch.token is not ctx.token:
+            raise RuntimeError(
+                "the GRU layer's buffers were reused by a later forward before this backward ran again: "
+                "run the forward again instead of back-propagating through its graph twice"
+            )
+        gates, new = scratch.gates, scratch.new
         rz, r, z, gh_n = gates[..., :h2], gates[..., :hidden], gates[..., hidden:h2], gates[..., h2:]
         h_prev = states[:, :-1]
         d_new = (1.0 - new * new).mul_(1.0 - z)
@@ -183,4 +251,5 @@ class GruLayer(th.autograd.Function):
         if ctx.needs_input_grad[0]:
             d_x = th.bmm(th.cat([flat[..., :h2], flat[..., h3:]], dim=2), w_ih)
         d_b_ih = th.cat([sums[:, :h2], sums[:, h3:]], dim=1)
+        scratch.release(ctx.token)
         return d_x, d_steps[0], d_w_ih, d_w_hh, d_b_ih, sums[:, :h3]
