@@ -109,6 +109,10 @@ class GruScratch:
     :param steps: per step, the views ``gates_t, rz_t, r_t, z_t, gh_n_t, gi_n_t, new_t``
     :param token: the forward whose backward may read the buffers
     :param busy: whether that backward is still to come
+    :param grads: the backward's gate slopes, then gradients ``(k, seq_len, n, 4, hidden)`` (made by its first use)
+    :param d_states: the backward's state gradients ``(seq_len + 1, k, n, hidden)``
+    :param back_steps: per step, the views ``grads_t, grad_rows_t, d_states[t], d_states[t + 1]`` (the last with an
+        axis for the 4 slots)
     """
 
     gi: th.Tensor
@@ -117,6 +121,24 @@ class GruScratch:
     steps: list[tuple[th.Tensor, ...]]
     token: object = field(default_factory=object)
     busy: bool = False
+    grads: th.Tensor | None = None
+    d_states: th.Tensor | None = None
+    back_steps: list[tuple[th.Tensor, ...]] = field(default_factory=list)
+
+    def backward_buffers(self) -> tuple[th.Tensor, th.Tensor]:
+        """:return: :attr:`grads` and :attr:`d_states`, made with :attr:`back_steps` on the first call"""
+        if self.grads is None or self.d_states is None:
+            k, seq_len, n, hidden = self.gi.shape[0], self.gi.shape[1], self.gi.shape[2], self.new.shape[-1]
+            self.grads = self.gi.new_empty((k, seq_len, n, 4, hidden))
+            self.d_states = self.gi.new_empty((seq_len + 1, k, n, hidden))
+            views = (
+                self.grads.unbind(1),
+                self.grads.view(k, seq_len, n, 4 * hidden).unbind(1),
+                self.d_states[:-1].unbind(0),
+                self.d_states[1:].unsqueeze(3).unbind(0),
+            )
+            self.back_steps = list(zip(*views, strict=True))
+        return self.grads, self.d_states
 
     @classmethod
     def make(cls, k: int, seq_len: int, n: int, hidden: int, like: th.Tensor) -> GruScratch:
@@ -220,7 +242,7 @@ class GruLayer(th.autograd.Function):
         # d(recurrent pre-activations r, z, n of step t) = d(out_t) * slope, and d(out_t)/d(h_{t-1}) outside the
         # recurrent product is z: [slope_r, slope_z, slope_n, z] times [W_hh; I] is one product per step.
         # grads[:, t] holds step t's slope until the loop multiplies it by d(out_t) in place.
-        grads = x.new_empty((k, seq_len, n, 4, hidden))
+        grads, d_states = scratch.backward_buffers()
         slope = grads.transpose(0, 1)  # the gates' step-major layout
         th.mul(d_new, gh_n, out=slope[..., 0, :])
         th.sub(h_prev.transpose(0, 1), new, out=slope[..., 1, :])
@@ -230,14 +252,11 @@ class GruLayer(th.autograd.Function):
         eye = th.eye(hidden, dtype=w_hh.dtype, device=w_hh.device).expand(k, hidden, hidden)
         w_hh_eye = th.cat([w_hh, eye], dim=1)
         # d_states[t + 1]: d(loss)/d(out_t), through every later step once the loop has passed t; d_states[0]: d/d(h0)
-        d_states = x.new_empty((seq_len + 1, k, n, hidden))
         d_states[0] = 0.0
         d_states[1:] = grad_out.transpose(0, 1)
-        d_steps, d_steps_4 = d_states.unbind(0), d_states.unsqueeze(3).unbind(0)
-        step_grads, step_rows = grads.unbind(1), grads.view(k, seq_len, n, 4 * hidden).unbind(1)
-        for t in range(seq_len - 1, -1, -1):
-            step_grads[t].mul_(d_steps_4[t + 1])
-            d_steps[t].baddbmm_(step_rows[t], w_hh_eye)
+        for grads_t, rows_t, d_prev, d_out in reversed(scratch.back_steps):
+            grads_t.mul_(d_out)
+            d_prev.baddbmm_(rows_t, w_hh_eye)
         # slot 3 (d(out_t) * z) is spent: it becomes d(gi_n) = d(out_t) * d_new, so that the slots are
         # [d r, d z, d gh_n, d gi_n] and each weight gradient is one product over all steps
         th.mul(d_states[1:], d_new, out=slope[..., 3, :])
@@ -251,5 +270,6 @@ class GruLayer(th.autograd.Function):
         if ctx.needs_input_grad[0]:
             d_x = th.bmm(th.cat([flat[..., :h2], flat[..., h3:]], dim=2), w_ih)
         d_b_ih = th.cat([sums[:, :h2], sums[:, h3:]], dim=1)
+        d_h0 = d_states[0].clone() if ctx.needs_input_grad[1] else None
         scratch.release(ctx.token)
-        return d_x, d_steps[0], d_w_ih, d_w_hh, d_b_ih, sums[:, :h3]
+        return d_x, d_h0, d_w_ih, d_w_hh, d_b_ih, sums[:, :h3]
