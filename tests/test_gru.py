@@ -6,7 +6,7 @@ import pytest
 import torch as th
 from torch import nn
 
-from sb3_speedups.ppo_recurrent.gru import gru_sequence, gru_unsupported_reason
+from sb3_speedups.ppo_recurrent.gru import gru_sequence, gru_sequences, gru_unsupported_reason
 from sb3_speedups.ppo_recurrent.policies import process_sequence
 
 
@@ -35,6 +35,38 @@ def test_gru_sequence_equals_nn_gru(num_layers: int, input_size: int, hidden: in
     reference = _outputs_and_gradients(rnn, rnn, x, h0)
     for a, b in zip(ours, reference, strict=True):
         assert_close_relative(a, b)
+
+
+@pytest.mark.parametrize(("num_layers", "shared_input"), [(1, True), (2, False)])
+def test_gru_sequences_in_lockstep_equal_nn_gru(num_layers: int, shared_input: bool) -> None:
+    """Two GRUs of one shape (an actor's and a critic's) run as one batch: each equals its own nn.GRU."""
+    th.manual_seed(0)
+    rnns = [nn.GRU(3, 16, num_layers=num_layers) for _ in range(2)]
+    x = th.randn(7, 5, 3, requires_grad=True)
+    xs = [x, x] if shared_input else [x, th.randn(7, 5, 3, requires_grad=True)]
+    h0s = [th.randn(num_layers, 5, 16, requires_grad=True) for _ in range(2)]
+    gen = th.Generator().manual_seed(1)
+    weights = [th.randn(7, 5, 16, generator=gen) for _ in range(2)]
+
+    def outputs_and_gradients(results: list[tuple[th.Tensor, th.Tensor]]) -> list[th.Tensor]:
+        loss = sum((out * w).sum() + h_n.sum() for (out, h_n), w in zip(results, weights, strict=True))
+        leaves = [*dict.fromkeys(xs), *h0s, *(p for rnn in rnns for p in rnn.parameters())]
+        return [t for result in results for t in result] + list(th.autograd.grad(loss, leaves))
+
+    ours = outputs_and_gradients(gru_sequences(rnns, xs, h0s))
+    reference = outputs_and_gradients([rnn(x, h0) for rnn, x, h0 in zip(rnns, xs, h0s, strict=True)])
+    for a, b in zip(ours, reference, strict=True):
+        assert_close_relative(a, b)
+
+
+def test_gru_sequences_of_different_shapes_run_one_by_one() -> None:
+    th.manual_seed(0)
+    rnns, x = [nn.GRU(3, 8), nn.GRU(3, 4)], th.randn(4, 2, 3)
+    results = gru_sequences(rnns, [x, x], [th.zeros(1, 2, 8), th.zeros(1, 2, 4)])
+    for (out, h_n), rnn, hidden in zip(results, rnns, (8, 4), strict=True):
+        expected, expected_h = rnn(x, th.zeros(1, 2, hidden))
+        assert_close_relative(out, expected)
+        assert_close_relative(h_n, expected_h)
 
 
 def _step_by_step_reference(
@@ -116,10 +148,30 @@ def test_first_train_of_recurrent_ppo_gru_within_1e_6_of_nn_gru(monkeypatch: pyt
         return {name: p.detach().clone() for name, p in model.policy.named_parameters()}
 
     ours = first_train()
-    monkeypatch.setattr(policies, "gru_sequence", lambda rnn, sequence, h0: rnn(sequence, h0))
+    monkeypatch.setattr(
+        policies, "gru_sequences", lambda rnns, xs, h0s: [r(x, h) for r, x, h in zip(rnns, xs, h0s, strict=True)]
+    )
     reference = first_train()
     assert ours.keys() == reference.keys()
     differences = {name: float((ours[name] - reference[name]).abs().max()) for name in ours}
     print("max difference after the first train():", max(differences.values()))
     assert max(differences.values()) <= 1e-6, differences
     assert any(name.startswith("lstm_actor.weight_hh") for name in ours)  # the nn.GRU parameters, as sb3-contrib saves them
+
+
+def test_gru_layers_of_one_shape_keep_their_buffers_apart_until_their_backward() -> None:
+    """Two forwards of one shape before either backward: each backward reads its own forward's gates; a second
+    backward through a graph whose buffers a later forward took raises instead of reading them."""
+    th.manual_seed(0)
+    rnn, x = nn.GRU(3, 8), th.randn(5, 2, 3)
+    h0s = [th.randn(1, 2, 8, requires_grad=True) for _ in range(2)]
+    outs = [gru_sequence(rnn, x, h0)[0].sum() for h0 in h0s]
+    got = [th.autograd.grad(out, [h0]) for out, h0 in zip(reversed(outs), reversed(h0s), strict=True)]
+    want = [th.autograd.grad(rnn(x, h0)[0].sum(), [h0]) for h0 in reversed(h0s)]
+    for a, b in zip(got, want, strict=True):
+        assert_close_relative(a[0], b[0])
+    out = gru_sequence(rnn, x, h0s[0])[0].sum()
+    th.autograd.grad(out, [h0s[0]], retain_graph=True)
+    gru_sequence(rnn, x, h0s[1])[0].sum()  # takes the same shape's buffers, now free
+    with pytest.raises(RuntimeError, match="reused by a later forward"):
+        th.autograd.grad(out, [h0s[0]])

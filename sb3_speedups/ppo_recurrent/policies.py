@@ -13,17 +13,24 @@ from typing import Any
 import torch as th
 from gymnasium import spaces
 from sb3_contrib.common.recurrent import policies as contrib
+from stable_baselines3.common.distributions import CategoricalDistribution
 from stable_baselines3.common.type_aliases import Schedule
 from torch import nn
+from torch.nn import functional as F
 
-from sb3_speedups.ppo_recurrent.gru import gru_sequence
+from sb3_contrib.common.recurrent.type_aliases import RNNStates
+
+from sb3_speedups.ppo_recurrent.gru import gru_sequences
 
 RNN_TYPES = ("lstm", "gru")
 
 
+State = tuple[th.Tensor, ...]  # (h, c), as sb3-contrib keeps them
+
+
 def process_sequence(
-    features: th.Tensor, states: tuple[th.Tensor, th.Tensor], episode_starts: th.Tensor, rnn: nn.LSTM | nn.GRU
-) -> tuple[th.Tensor, tuple[th.Tensor, th.Tensor]]:
+    features: th.Tensor, states: State, episode_starts: th.Tensor, rnn: nn.LSTM | nn.GRU
+) -> tuple[th.Tensor, State]:
     """
     Run flattened padded sequences through an LSTM or GRU, resetting the state where an episode starts.
 
@@ -45,11 +52,60 @@ def process_sequence(
         return th.stack(outputs, dim=1).flatten(0, 1), states
     keep = (1.0 - starts[0]).view(1, n_seq, 1)
     if isinstance(rnn, nn.GRU):
-        output, hidden = gru_sequence(rnn, sequence, keep * states[0])
-        new_states = (hidden, states[1])
-    else:
-        output, new_states = rnn(sequence, (keep * states[0], keep * states[1]))
+        return _grus_from_sequence_starts([sequence], [states], keep, [rnn])[0]
+    output, new_states = rnn(sequence, (keep * states[0], keep * states[1]))
     return output.transpose(0, 1).flatten(0, 1), new_states
+
+
+def process_gru_sequences(
+    features: list[th.Tensor], states: list[State], episode_starts: th.Tensor, rnns: list[nn.GRU]
+) -> list[tuple[th.Tensor, State]]:
+    """
+    :func:`process_sequence` of several GRUs over the same padded sequences, in lockstep
+    (:func:`~sb3_speedups.ppo_recurrent.gru.gru_sequences`) when episodes start only at sequence starts.
+
+    :param features: each GRU's input (the same tensor twice when shared)
+    :param states: each GRU's ``(h, c)``
+    :param episode_starts: ``(n_seq * seq_len,)``
+    :param rnns: the GRUs
+    :return: each GRU's outputs and final states
+    """
+    n_seq = states[0][0].shape[1]
+    starts = episode_starts.reshape((n_seq, -1)).swapaxes(0, 1)
+    if starts.shape[0] > 1 and bool(starts[1:].any()):
+        return [process_sequence(*args) for args in zip(features, states, [episode_starts] * len(rnns), rnns, strict=True)]
+    keep = (1.0 - starts[0]).view(1, n_seq, 1)
+    # the same features tensor gives the same sequence tensor, read once by gru_sequences
+    sequences = {id(f): f.reshape((n_seq, -1, rnn.input_size)).swapaxes(0, 1) for f, rnn in zip(features, rnns, strict=True)}
+    return _grus_from_sequence_starts([sequences[id(f)] for f in features], states, keep, rnns)
+
+
+def _grus_from_sequence_starts(
+    sequences: list[th.Tensor], states: list[State], keep: th.Tensor, rnns: list[nn.GRU]
+) -> list[tuple[th.Tensor, State]]:
+    """GRUs over ``(seq_len, n_seq, input)`` sequences whose states are reset (``keep`` 0) only at their start."""
+    results = gru_sequences(rnns, sequences, [keep * state[0] for state in states])
+    return [
+        (output.transpose(0, 1).flatten(0, 1), (hidden, state[1]))
+        for (output, hidden), state in zip(results, states, strict=True)
+    ]
+
+
+def categorical_log_prob_and_entropy(logits: th.Tensor, actions: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
+    """
+    ``Categorical(logits=logits).log_prob(actions)`` and ``.entropy()`` with the same operations (so the same values
+    and gradients), without the distribution object and its argument checks.
+
+    :param logits: ``(n, n_actions)`` unnormalised log-probabilities
+    :param actions: action indices, ``(n,)`` (or any shape ``Categorical.log_prob`` takes)
+    :return: the log-probabilities of ``actions`` and the entropies, each ``(n,)``
+    """
+    log_p = logits - logits.logsumexp(dim=-1, keepdim=True)
+    # torch's broadcasting: actions of any shape that broadcasts against the batch shape, as there
+    value, log_pmf = th.broadcast_tensors(actions.long().unsqueeze(-1), log_p)
+    log_prob = log_pmf.gather(-1, value[..., :1]).squeeze(-1)
+    p_log_p = th.clamp(log_p, min=th.finfo(log_p.dtype).min) * F.softmax(log_p, dim=-1)
+    return log_prob, -p_log_p.sum(-1)
 
 
 class _FastRecurrentMixin:
@@ -87,6 +143,36 @@ class _FastRecurrentMixin:
                 )
         policy.optimizer = policy.optimizer_class(policy.parameters(), lr=lr_schedule(1), **policy.optimizer_kwargs)
 
+    def evaluate_actions(
+        self, obs: th.Tensor, actions: th.Tensor, lstm_states: RNNStates, episode_starts: th.Tensor
+    ) -> tuple[th.Tensor, th.Tensor, th.Tensor]:
+        """
+        sb3-contrib's ``evaluate_actions`` (same values and gradients) for an actor and a critic with recurrent layers
+        of their own: GRUs run in one lockstep pass, and a ``Discrete`` action's log-probability and entropy are
+        computed without building distribution objects (:func:`categorical_log_prob_and_entropy`).
+        """
+        policy: Any = self
+        if policy.lstm_critic is None:
+            return super().evaluate_actions(obs, actions, lstm_states, episode_starts)  # type: ignore[misc]
+        features = policy.extract_features(obs)
+        pi_features, vf_features = (features, features) if policy.share_features_extractor else features
+        rnns = [policy.lstm_actor, policy.lstm_critic]
+        if all(isinstance(rnn, nn.GRU) for rnn in rnns):
+            (latent_pi, _), (latent_vf, _) = process_gru_sequences(
+                [pi_features, vf_features], [lstm_states.pi, lstm_states.vf], episode_starts, rnns
+            )
+        else:
+            latent_pi, _ = process_sequence(pi_features, lstm_states.pi, episode_starts, policy.lstm_actor)
+            latent_vf, _ = process_sequence(vf_features, lstm_states.vf, episode_starts, policy.lstm_critic)
+        latent_pi = policy.mlp_extractor.forward_actor(latent_pi)
+        latent_vf = policy.mlp_extractor.forward_critic(latent_vf)
+        if type(policy.action_dist) is CategoricalDistribution:
+            log_prob, entropy = categorical_log_prob_and_entropy(policy.action_net(latent_pi), actions)
+            return policy.value_net(latent_vf), log_prob, entropy
+        distribution = policy._get_action_dist_from_latent(latent_pi)
+        log_prob = distribution.log_prob(actions)
+        return policy.value_net(latent_vf), log_prob, distribution.entropy()
+
     def _get_constructor_parameters(self) -> dict[str, Any]:
         data = super()._get_constructor_parameters()  # type: ignore[misc]
         if getattr(self, "rnn_type", "lstm") != "lstm":
@@ -94,7 +180,8 @@ class _FastRecurrentMixin:
         return data
 
 
-class RecurrentActorCriticPolicy(_FastRecurrentMixin, contrib.RecurrentActorCriticPolicy):
+# (mypy: sb3-contrib's evaluate_actions takes states and episode starts, SB3's does not)
+class RecurrentActorCriticPolicy(_FastRecurrentMixin, contrib.RecurrentActorCriticPolicy):  # type: ignore[misc]
     """
     :class:`sb3_contrib.common.recurrent.policies.RecurrentActorCriticPolicy` with a one-call training pass.
 
@@ -102,11 +189,11 @@ class RecurrentActorCriticPolicy(_FastRecurrentMixin, contrib.RecurrentActorCrit
     """
 
 
-class RecurrentActorCriticCnnPolicy(_FastRecurrentMixin, contrib.RecurrentActorCriticCnnPolicy):
+class RecurrentActorCriticCnnPolicy(_FastRecurrentMixin, contrib.RecurrentActorCriticCnnPolicy):  # type: ignore[misc]
     """CNN counterpart of :class:`RecurrentActorCriticPolicy`; ``rnn_type`` as there."""
 
 
-class RecurrentMultiInputActorCriticPolicy(_FastRecurrentMixin, contrib.RecurrentMultiInputActorCriticPolicy):
+class RecurrentMultiInputActorCriticPolicy(_FastRecurrentMixin, contrib.RecurrentMultiInputActorCriticPolicy):  # type: ignore[misc]
     """Dict-observation counterpart of :class:`RecurrentActorCriticPolicy`; ``rnn_type`` as there."""
 
 
