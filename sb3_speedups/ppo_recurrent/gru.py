@@ -16,6 +16,7 @@ models are unchanged.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -164,21 +165,25 @@ class GruScratch:
             self.busy = False
 
 
-_scratch_cache: dict[tuple[int, int, int, int], GruScratch] = {}
+# one cache per thread: models training in two threads never share buffers
+_scratch_local = threading.local()
 
 
 def _take_scratch(k: int, seq_len: int, n: int, hidden: int, like: th.Tensor) -> GruScratch:
     """:return: the kept buffers of this shape when free, else fresh ones (kept when the shape is new)"""
+    cache: dict[tuple[int, int, int, int], GruScratch] | None = getattr(_scratch_local, "cache", None)
+    if cache is None:
+        cache = _scratch_local.cache = {}
     key = (k, seq_len, n, hidden)
-    kept = _scratch_cache.get(key)
+    kept = cache.get(key)
     if kept is not None and not kept.busy:
         scratch = kept
     else:
         scratch = GruScratch.make(k, seq_len, n, hidden, like)
         if kept is None:
-            if len(_scratch_cache) >= SCRATCH_CAPACITY:
-                del _scratch_cache[next(iter(_scratch_cache))]
-            _scratch_cache[key] = scratch
+            if len(cache) >= SCRATCH_CAPACITY:
+                del cache[next(iter(cache))]
+            cache[key] = scratch
     scratch.token, scratch.busy = object(), True
     return scratch
 
