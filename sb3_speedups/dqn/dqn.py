@@ -219,7 +219,8 @@ class DQN(FastOffPolicyCollection, stable_baselines3.DQN):
         else:
             # The actor's weights are plain tensors (no autograd), so no grad-mode context is needed. numpy's argmax
             # picks the first maximum, as torch's does.
-            obs = th.as_tensor(self._last_obs)
+            last = self._last_obs
+            obs = th.from_numpy(last) if type(last) is np.ndarray else th.as_tensor(last)
             if obs.dim() != 2:
                 obs = obs.reshape(obs.shape[0], -1)
             actions = speed.actor(obs if obs.dtype == th.float32 else obs.float()).numpy().argmax(axis=1)
@@ -310,6 +311,9 @@ class DQN(FastOffPolicyCollection, stable_baselines3.DQN):
             with th.no_grad():
                 # Plain DQN targets only read the target network, constant inside train(): all at once.
                 targets = None if self.double_q else self._targets(data, next_q_all, updater)
+            if n == 1 and targets is not None:
+                tds.append(updater.step(data.observations, data.actions, targets, None, self.max_grad_norm))
+                continue
             obs, actions = data.observations, data.actions.long()
             for k in range(n):
                 rows = slice(k * batch_size, (k + 1) * batch_size)

@@ -49,10 +49,15 @@ def q_mlp_unsupported_reason(policy: DQNPolicy) -> str | None:
     return adam_unsupported_reason(policy.optimizer, list(q_net.parameters()))
 
 
+#: ``reduction="mean"`` as torch's loss kernels take it
+_MEAN = 1
+
+
 def huber_(d: th.Tensor, weights: th.Tensor | None) -> th.Tensor:
     """:return: the mean (weighted) smooth-L1 loss of TD errors ``d`` (``F.smooth_l1_loss`` with ``beta=1``)"""
     if weights is None:
-        return F.smooth_l1_loss(d, th.zeros_like(d))
+        # F.smooth_l1_loss's own kernel, without the wrapper's broadcasting and argument checks (same value)
+        return th._C._nn.smooth_l1_loss(d, th.zeros_like(d), _MEAN, 1.0)  # type: ignore[arg-type]  # the kernel takes an int
     return (F.smooth_l1_loss(d, th.zeros_like(d), reduction="none") * weights).mean()
 
 
