@@ -53,11 +53,23 @@ def q_mlp_unsupported_reason(policy: DQNPolicy) -> str | None:
 _MEAN = 1
 
 
+_zeros: dict[tuple[th.device, th.dtype], th.Tensor] = {}
+
+
+def _zero(like: th.Tensor) -> th.Tensor:
+    """:return: a kept 0-dim zero on ``like``'s device and dtype"""
+    zero = _zeros.get((like.device, like.dtype))
+    if zero is None:
+        with th.inference_mode(False):  # a normal tensor, usable in any mode
+            zero = _zeros[(like.device, like.dtype)] = th.zeros((), device=like.device, dtype=like.dtype)
+    return zero
+
+
 def huber_(d: th.Tensor, weights: th.Tensor | None) -> th.Tensor:
     """:return: the mean (weighted) smooth-L1 loss of TD errors ``d`` (``F.smooth_l1_loss`` with ``beta=1``)"""
     if weights is None:
-        # F.smooth_l1_loss's own kernel, without the wrapper's broadcasting and argument checks (same value)
-        return th._C._nn.smooth_l1_loss(d, th.zeros_like(d), _MEAN, 1.0)  # type: ignore[arg-type]  # the kernel takes an int
+        # F.smooth_l1_loss's own kernel, without the wrapper's checks, against a kept zero that it broadcasts (same value)
+        return th._C._nn.smooth_l1_loss(d, _zero(d), _MEAN, 1.0)  # type: ignore[arg-type]  # the kernel takes an int
     return (F.smooth_l1_loss(d, th.zeros_like(d), reduction="none") * weights).mean()
 
 
