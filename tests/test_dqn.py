@@ -61,15 +61,20 @@ def test_fast_update_matches_autograd_update_with_weights():
     th.testing.assert_close(tds[0][1], tds[1][1])
 
 
-def test_batched_sampling_equals_stock_samples():
-    ours, _ = _pair(n_envs=3, steps=300)
+@pytest.mark.parametrize(("n_envs", "n_batches"), [(3, 4), (3, 1), (1, 4), (1, 1)])
+def test_batched_sampling_equals_stock_samples(n_envs: int, n_batches: int):
+    ours, _ = _pair(n_envs=n_envs, steps=300)
     buffer = ours.replay_buffer
     np.random.seed(5)
-    stock = [buffer.sample(16) for _ in range(4)]
+    stock = [buffer.sample(16) for _ in range(n_batches)]
+    stock_next_draw = np.random.rand()
     np.random.seed(5)
-    batched = sample_minibatches(buffer, 16, 4)
+    batched = sample_minibatches(buffer, 16, n_batches)
+    assert np.random.rand() == stock_next_draw  # the global RNG is left where stock leaves it
     for i, field in enumerate(ReplayBufferSamples._fields[:5]):
-        th.testing.assert_close(batched[i], th.cat([s[i] for s in stock]), msg=field)
+        expected = th.cat([s[i] for s in stock])
+        assert batched[i].dtype == expected.dtype, field
+        th.testing.assert_close(batched[i], expected, rtol=0, atol=0, msg=field)
 
 
 def test_combined_replay_always_holds_the_newest_transitions():

@@ -65,9 +65,9 @@ def update_num_threads(largest_gemm_macs: int, num_threads: int | None, device: 
     :param device: where the update runs (only CPU updates are affected)
     :return: the thread count to use during the update, or ``None`` to keep the current one
     """
-    if num_threads is not None or device.type != "cpu" or user_chose_num_threads():
+    if largest_gemm_macs < PARALLEL_GEMM_MACS or num_threads is not None or device.type != "cpu":
         return None
-    if largest_gemm_macs < PARALLEL_GEMM_MACS:
+    if user_chose_num_threads():
         return None
     return max(min(PARALLEL_UPDATE_THREADS, available_cpus()), th.get_num_threads())
 

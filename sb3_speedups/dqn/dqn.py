@@ -171,9 +171,13 @@ class DQN(FastOffPolicyCollection, stable_baselines3.DQN):
             return "fast_update=False"
         return q_mlp_unsupported_reason(self.policy)
 
-    def _ensure_speedups(self) -> _Speedups:
+    def _ensure_speedups(self, for_acting: bool = False) -> _Speedups:
+        """
+        :param for_acting: only acting follows (it reads the parameters; ``train()`` checks the optimizer state)
+        :return: the speed-only state, rebuilt if the policy, its parameters or its optimizer state were replaced
+        """
         speed = self._speedups
-        if speed is not None and speed.updater.policy is self.policy and speed.updater.is_bound():
+        if speed is not None and speed.updater.policy is self.policy and speed.updater.is_bound(optimizer=not for_acting):
             return speed
         reason = self.fast_path_unsupported_reason()
         updater: HandDerivedQUpdate | AutogradQUpdate = (
@@ -202,7 +206,7 @@ class DQN(FastOffPolicyCollection, stable_baselines3.DQN):
     # ----- collection ---------------------------------------------------------------------------------------------
 
     def collect_rollouts(self, *args: Any, **kwargs: Any) -> Any:
-        speed = self._ensure_speedups()
+        speed = self._ensure_speedups(for_acting=True)
         if speed.mirror is not None:
             speed.mirror.sync()
         return super().collect_rollouts(*args, **kwargs)
@@ -219,7 +223,8 @@ class DQN(FastOffPolicyCollection, stable_baselines3.DQN):
         else:
             # The actor's weights are plain tensors (no autograd), so no grad-mode context is needed. numpy's argmax
             # picks the first maximum, as torch's does.
-            obs = th.as_tensor(self._last_obs)
+            last = self._last_obs
+            obs = th.from_numpy(last) if type(last) is np.ndarray else th.as_tensor(last)
             if obs.dim() != 2:
                 obs = obs.reshape(obs.shape[0], -1)
             actions = speed.actor(obs if obs.dtype == th.float32 else obs.float()).numpy().argmax(axis=1)
@@ -248,8 +253,10 @@ class DQN(FastOffPolicyCollection, stable_baselines3.DQN):
             next_q = next_q_target.gather(1, next_actions)
         else:
             next_q = th.amax(next_q_target, dim=1, keepdim=True)  # stock's max(...).values without the indices
-        discounts = data.discounts if data.discounts is not None else self.gamma
-        return data.rewards + (1 - data.dones) * discounts * next_q
+        if data.discounts is not None:
+            return data.rewards + (1 - data.dones) * data.discounts * next_q
+        # Stock's (1 - dones) * gamma in one kernel: with dones 0 or 1, gamma - gamma * dones is exact (same numbers).
+        return data.rewards + th.rsub(data.dones, self.gamma, alpha=self.gamma) * next_q
 
     def train(self, gradient_steps: int, batch_size: int = 100) -> None:
         """Update the Q-network on ``gradient_steps`` minibatches: SB3's DQN loss, minus its per-step overheads."""
@@ -310,6 +317,9 @@ class DQN(FastOffPolicyCollection, stable_baselines3.DQN):
             with th.no_grad():
                 # Plain DQN targets only read the target network, constant inside train(): all at once.
                 targets = None if self.double_q else self._targets(data, next_q_all, updater)
+            if n == 1 and targets is not None:
+                tds.append(updater.step(data.observations, data.actions, targets, None, self.max_grad_norm))
+                continue
             obs, actions = data.observations, data.actions.long()
             for k in range(n):
                 rows = slice(k * batch_size, (k + 1) * batch_size)

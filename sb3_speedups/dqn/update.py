@@ -49,10 +49,27 @@ def q_mlp_unsupported_reason(policy: DQNPolicy) -> str | None:
     return adam_unsupported_reason(policy.optimizer, list(q_net.parameters()))
 
 
+#: ``reduction="mean"`` as torch's loss kernels take it
+_MEAN = 1
+
+
+_zeros: dict[tuple[th.device, th.dtype], th.Tensor] = {}
+
+
+def _zero(like: th.Tensor) -> th.Tensor:
+    """:return: a kept 0-dim zero on ``like``'s device and dtype"""
+    zero = _zeros.get((like.device, like.dtype))
+    if zero is None:
+        with th.inference_mode(False):  # a normal tensor, usable in any mode
+            zero = _zeros[(like.device, like.dtype)] = th.zeros((), device=like.device, dtype=like.dtype)
+    return zero
+
+
 def huber_(d: th.Tensor, weights: th.Tensor | None) -> th.Tensor:
     """:return: the mean (weighted) smooth-L1 loss of TD errors ``d`` (``F.smooth_l1_loss`` with ``beta=1``)"""
     if weights is None:
-        return F.smooth_l1_loss(d, th.zeros_like(d))
+        # F.smooth_l1_loss's own kernel, without the wrapper's checks, against a kept zero that it broadcasts (same value)
+        return th._C._nn.smooth_l1_loss(d, _zero(d), _MEAN, 1.0)  # type: ignore[arg-type]  # the kernel takes an int
     return (F.smooth_l1_loss(d, th.zeros_like(d), reduction="none") * weights).mean()
 
 
@@ -79,9 +96,12 @@ class HandDerivedQUpdate:
         self.w_out, self.b_out = self.flat.data_of(out.weight), self.flat.data_of(out.bias)
         self.gw_out, self.gb_out = self.flat.grad_of(out.weight), self.flat.grad_of(out.bias)
 
-    def is_bound(self) -> bool:
-        """:return: whether parameters and optimizer state still live in the flat buffers"""
-        return self.flat.is_bound() and self.adam.is_bound()
+    def is_bound(self, optimizer: bool = True) -> bool:
+        """
+        :param optimizer: check the optimizer state too (acting only needs the parameters)
+        :return: whether the parameters (and optimizer state) still live in the flat buffers
+        """
+        return self.flat.is_bound() and (not optimizer or self.adam.is_bound())
 
     def q_values(self, obs: th.Tensor) -> th.Tensor:
         """:return: ``Q(obs, .)`` ``[n, n_actions]`` (overwrites the forward workspace for ``n`` rows)"""
@@ -107,10 +127,10 @@ class HandDerivedQUpdate:
         :return: the TD errors ``[b, 1]``
         """
         b = obs.shape[0]
-        h = self.chain.forward(obs.reshape(b, -1).float())
+        h = self.chain.forward(obs if obs.dim() == 2 and obs.dtype == th.float32 else obs.reshape(b, -1).float())
         h2 = h[0]
         q = th.addmm(self.b_out, h2, self.w_out.t())
-        index = actions.long()
+        index = actions if actions.dtype == th.int64 else actions.long()
         d = q.gather(1, index).sub_(target)
         # d(huber)/d(d) = clamp(d, -1, 1); the mean divides by b.
         grad = d.clamp(-1.0, 1.0)
@@ -136,7 +156,7 @@ class AutogradQUpdate:
     def __init__(self, policy: DQNPolicy) -> None:
         self.policy = policy
 
-    def is_bound(self) -> bool:
+    def is_bound(self, optimizer: bool = True) -> bool:
         """:return: always ``True`` (nothing is rebound)"""
         return True
 

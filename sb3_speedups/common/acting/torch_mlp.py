@@ -15,8 +15,9 @@ from sb3_speedups.common.nn.mlp import NONE, Mlp, parse_mlp
 
 class TorchMlp:
     """
-    An MLP run on the tensors of its description with the module's own kernels (``addmm``, torch's activations out of
-    place). Stacked (``G`` networks side by side), each layer is one ``baddbmm`` and the output is ``[G, n, out]``.
+    An MLP run on the tensors of its description with the module's own kernels (``addmm``, torch's activations, in
+    place on each layer's fresh output where they have an in-place kernel). Stacked (``G`` networks side by side), each
+    layer is one ``baddbmm`` and the output is ``[G, n, out]``.
 
     :param mlp: the network, on the tensors to compute with (views: they follow their source, e.g. a mirror's sync)
     """
@@ -30,7 +31,7 @@ class TorchMlp:
             (
                 layer.weight.transpose(-2, -1),
                 None if layer.bias is None else layer.bias.unsqueeze(1) if mlp.stacked else layer.bias,
-                None if layer.activation is NONE else layer.activation.torch,
+                None if layer.activation is NONE else layer.activation.torch_ or layer.activation.torch,
             )
             for layer in mlp.layers
         ]

@@ -61,24 +61,31 @@ class BlockedMlpForward:
             ]
         return self._out[n], self._hidden[block]
 
-    @th.no_grad()
     def __call__(self, x: th.Tensor) -> th.Tensor:
         """
         :param x: inputs ``[n, in]``
         :return: outputs ``[n, out]``, in a buffer that the next call with ``n`` rows overwrites
         """
+        if th.is_grad_enabled():
+            with th.no_grad():
+                return self(x)
         n = x.shape[0]
         out, hidden = self._buffers(n, min(n, self.rows), x)
-        last = len(self.weights) - 1
+        if n <= self.rows:
+            return self._block(x, out, hidden)
         for start in range(0, n, self.rows):
             h = x[start : start + self.rows]
             if hidden and hidden[0].shape[0] != h.shape[0]:  # the last block is shorter
                 hidden = self._buffers(n, h.shape[0], x)[1]
-            for k, (weight, bias, activation_) in enumerate(zip(self.weights, self.biases, self.activations, strict=True)):
-                dst = out[start : start + h.shape[0]] if k == last else hidden[k]
-                th.addmm(bias, h, weight.t(), out=dst)
-                activation_(dst)
-                h = dst
+            self._block(h, out[start : start + h.shape[0]], hidden)
+        return out
+
+    def _block(self, h: th.Tensor, out: th.Tensor, hidden: list[th.Tensor]) -> th.Tensor:
+        """:return: ``out``, the outputs of the rows ``h`` (``hidden``: buffers for their activations)"""
+        for dst, weight, bias, activation_ in zip([*hidden, out], self.weights, self.biases, self.activations, strict=True):
+            th.addmm(bias, h, weight.t(), out=dst)
+            activation_(dst)
+            h = dst
         return out
 
 

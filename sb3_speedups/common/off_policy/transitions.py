@@ -65,7 +65,10 @@ def add_to_replay_buffer(
     buffer.rewards[pos] = reward
     buffer.dones[pos] = done
     if buffer.handle_timeout_termination:
-        buffer.timeouts[pos] = [info.get("TimeLimit.truncated", False) for info in infos]
+        if n_envs == 1:  # one flag: no list to convert
+            buffer.timeouts[pos, 0] = infos[0].get("TimeLimit.truncated", False)
+        else:
+            buffer.timeouts[pos] = [info.get("TimeLimit.truncated", False) for info in infos]
     buffer.pos = pos + 1
     if buffer.pos == buffer.buffer_size:
         buffer.full = True

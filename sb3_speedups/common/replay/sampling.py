@@ -47,17 +47,32 @@ def draw_indices(buffer: ReplayBuffer, batch_size: int, n_batches: int) -> Index
     :param n_batches: number of minibatches
     :return: ``n_batches * batch_size`` positions and env columns, minibatch after minibatch
     """
+    if n_batches == 1:
+        return IndexDraw(_draw_positions(buffer, batch_size), _draw_envs(buffer, batch_size))
     batch_inds = np.empty((n_batches, batch_size), dtype=np.int64)
     env_inds = np.empty((n_batches, batch_size), dtype=np.int64)
     for i in range(n_batches):
-        if not buffer.optimize_memory_usage:
-            batch_inds[i] = np.random.randint(0, buffer.buffer_size if buffer.full else buffer.pos, size=batch_size)
-        elif buffer.full:
-            batch_inds[i] = (np.random.randint(1, buffer.buffer_size, size=batch_size) + buffer.pos) % buffer.buffer_size
-        else:
-            batch_inds[i] = np.random.randint(0, buffer.pos, size=batch_size)
-        env_inds[i] = np.random.randint(0, high=buffer.n_envs, size=(batch_size,))
+        batch_inds[i] = _draw_positions(buffer, batch_size)
+        env_inds[i] = _draw_envs(buffer, batch_size)
     return IndexDraw(batch_inds.reshape(-1), env_inds.reshape(-1))
+
+
+def _draw_positions(buffer: ReplayBuffer, batch_size: int) -> np.ndarray:
+    """:return: the positions one ``ReplayBuffer.sample`` draws"""
+    if not buffer.optimize_memory_usage:
+        return np.random.randint(0, buffer.buffer_size if buffer.full else buffer.pos, size=batch_size)
+    if buffer.full:
+        return (np.random.randint(1, buffer.buffer_size, size=batch_size) + buffer.pos) % buffer.buffer_size
+    return np.random.randint(0, buffer.pos, size=batch_size)
+
+
+def _draw_envs(buffer: ReplayBuffer, batch_size: int) -> np.ndarray:
+    """:return: the env columns one ``ReplayBuffer._get_samples`` draws"""
+    if buffer.n_envs == 1:
+        # randint over a single value draws nothing from the legacy RNG (whose stream numpy keeps frozen): zeros
+        # without the call leave the RNG exactly as stock leaves it
+        return np.zeros(batch_size, dtype=np.int64)
+    return np.random.randint(0, high=buffer.n_envs, size=(batch_size,))
 
 
 def newest_indices(buffer: ReplayBuffer) -> IndexDraw:
@@ -81,13 +96,11 @@ def gather(buffer: ReplayBuffer, draw: IndexDraw, env: VecNormalize | None = Non
         next_obs = buffer.observations[(b + 1) % buffer.buffer_size, e]
     else:
         next_obs = buffer.next_observations[b, e]
-    data = (
-        buffer._normalize_obs(buffer.observations[b, e], env),
-        buffer.actions[b, e],
-        buffer._normalize_obs(next_obs, env),
-        (buffer.dones[b, e] * (1 - buffer.timeouts[b, e])).reshape(-1, 1),
-        buffer._normalize_reward(buffer.rewards[b, e].reshape(-1, 1), env),
-    )
+    obs, rewards = buffer.observations[b, e], buffer.rewards[b, e].reshape(-1, 1)
+    if env is not None:
+        obs, next_obs = buffer._normalize_obs(obs, env), buffer._normalize_obs(next_obs, env)
+        rewards = buffer._normalize_reward(rewards, env)
+    data = (obs, buffer.actions[b, e], next_obs, (buffer.dones[b, e] * (1 - buffer.timeouts[b, e])).reshape(-1, 1), rewards)
     if buffer.device.type == "cpu":
         # fancy indexing made fresh arrays: wrap them instead of copying them again (same dtypes and values)
         return ReplayBufferSamples(*(th.from_numpy(x) for x in data))  # type: ignore[arg-type]
