@@ -50,14 +50,19 @@ class _Workspace:
 
 @dataclass
 class _Input:
-    """The last input, expanded to ``[G, n, in]``, and its transpose (the same observations come back every epoch)."""
+    """The last input as the products take it and its transpose, made once (the same observations come back every epoch)."""
 
     x: th.Tensor
-    h: th.Tensor
-    h_t: th.Tensor
-    #: ``h`` and ``h_t`` as the products take them (2-D when ``G == 1``)
+    #: ``x`` itself for one network, else expanded to ``[G, n, in]``
     h_m: th.Tensor
-    h_t_m: th.Tensor
+    #: the transpose of ``h_m``, made by the first backward that needs it
+    h_t_m: th.Tensor | None = None
+
+    def transposed(self) -> th.Tensor:
+        """:return: :attr:`h_t_m`, made on the first call"""
+        if self.h_t_m is None:
+            self.h_t_m = self.h_m.mT
+        return self.h_t_m
 
 
 def _first(t: th.Tensor) -> th.Tensor:
@@ -142,12 +147,10 @@ class MlpChain:
         """:return: the last activations ``[G, n, out]`` (``x`` expanded when there are no layers)"""
         n = x.shape[0]
         given = self._input
-        if given is None or given.x is not x:
-            h = x.expand(self.groups, n, x.shape[1])
-            h_t = h.transpose(1, 2)
-            given = self._input = _Input(x, h, h_t, self._mat(h), self._mat(h_t))
         if not self.weights:
-            return given.h
+            return x.expand(self.groups, n, x.shape[1])
+        if given is None or given.x is not x:
+            given = self._input = _Input(x, x if self.groups == 1 else x.expand(self.groups, n, x.shape[1]))
         ws = self.ws.get(n) or self._workspace(n, x)
         h, addmm, arrays = given.h_m, self._addmm, ws.arrays
         if arrays is None:
@@ -202,7 +205,7 @@ class MlpChain:
         ws, given = self.ws[rows if n is None else n], self._input
         assert given is not None, "backward before forward"
         if n is None or n == rows:
-            return ws, given.h_m, given.h_t_m
+            return ws, given.h_m, given.transposed()
         cut = self._cuts.get((n, rows))
         if cut is None or cut[1] is not given:
             acts, grads = [a[:, :rows] for a in ws.acts], [g[:, :rows] for g in ws.grads]
@@ -219,7 +222,8 @@ class MlpChain:
                 [mat(t) for t in acts_t],
                 [mat(t) for t in grads_t],
             )
-            cut = self._cuts[(n, rows)] = (part, given, mat(given.h[:, :rows]), mat(given.h_t[:, :, :rows]))
+            h_m, h_t_m = given.h_m.narrow(-2, 0, rows), given.transposed().narrow(-1, 0, rows)
+            cut = self._cuts[(n, rows)] = (part, given, h_m, h_t_m)
         return cut[0], cut[2], cut[3]
 
     def backward_input(self, d_last: th.Tensor, columns: slice) -> th.Tensor:
