@@ -31,6 +31,7 @@ from sb3_speedups.common.nn.heads import make_head
 from sb3_speedups.common.nn.optim import flat_optimizer_unsupported_reason
 from sb3_speedups.common.on_policy.fast_paths import mlp_model_unsupported_reason
 from sb3_speedups.common.torch_utils import apply_num_threads
+from sb3_speedups.common.training_mode import FastTrainingMode
 from sb3_speedups.ppo.buffers import FastRolloutBase, install_fast_rollout_buffer
 from sb3_speedups.ppo.collection import collect_rollout
 
@@ -44,7 +45,7 @@ class _Speedups:
     fallback_reason: str | None
 
 
-class A2C(stable_baselines3.A2C):
+class A2C(FastTrainingMode, stable_baselines3.A2C):
     """
     Advantage Actor Critic, a drop-in for :class:`stable_baselines3.A2C` (same arguments, ``learn``, ``predict``,
     saved files); see :class:`stable_baselines3.A2C` for every argument not listed here.
@@ -128,7 +129,7 @@ class A2C(stable_baselines3.A2C):
         if not isinstance(buffer, FastRolloutBase):
             return super().train()
         speed = self._ensure_speedups()
-        self.policy.set_training_mode(True)
+        self._set_training_mode(True)
         self._update_learning_rate(self.policy.optimizer)
         cfg = A2CLossConfig(
             float(self.ent_coef), float(self.vf_coef), float(self.max_grad_norm), bool(self.normalize_advantage)
