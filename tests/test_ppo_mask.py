@@ -212,13 +212,17 @@ def test_masks_reader_equals_get_action_masks() -> None:
     def masker() -> gym.Env:
         return ActionMasker(gym.make("CartPole-v1"), lambda e: np.array([e.unwrapped.state[0] > 0, True]))
 
-    for env in (vec_env("knapsack"), VecNormalize(vec_env("multidiscrete")), make_vec_env(masker, n_envs=3, seed=0)):
+    masked = make_vec_env(masker, n_envs=3, seed=0)
+    for env in (vec_env("knapsack"), VecNormalize(vec_env("multidiscrete")), vec_env("discrete"), masked):
+        # masks as arrays, as lists (sb3-contrib's envs), through wrappers
         assert _in_process_envs(env) is not None
         read = masks_reader(env)
         env.reset()
         env.action_space.seed(0)
         for _ in range(12):
-            np.testing.assert_array_equal(read(), get_action_masks(env))
+            ours, expected = read(), get_action_masks(env)
+            assert ours.dtype == expected.dtype and ours.shape == expected.shape
+            np.testing.assert_array_equal(ours, expected)
             env.step(np.array([env.action_space.sample() for _ in range(env.num_envs)]))
 
     class Redirecting(VecNormalize):
