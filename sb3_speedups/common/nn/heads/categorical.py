@@ -204,7 +204,7 @@ class CategoricalHead(ActionHead[CategoricalWorkspace]):
             for j, (start, end) in enumerate(self.bounds):
                 th.log_softmax(out[:, start:end], 1, out=logp_all[:, start:end])
                 th.gather(logp_all[:, start:end], 1, index[:, j : j + 1], out=picked[:, j : j + 1])
-        th.exp(logp_all, out=p)
+        self._exp(ws, logp_all, p)
         th.mul(p, logp_all, out=tmp)
         # Per-block sum(p * log p) (the negated block entropy) is needed by the entropy gradient.
         if blocks is not None:
@@ -215,6 +215,10 @@ class CategoricalHead(ActionHead[CategoricalWorkspace]):
         if not self.discrete:
             th.sum(picked.view(n, -1), 1, out=log_prob)
             th.sum(block_neg_ent.view(n, -1), 1, out=neg_entropy)
+
+    def _exp(self, ws: CategoricalWorkspace, logp_all: th.Tensor, p: th.Tensor) -> None:
+        """Write the probabilities ``exp(logp_all)`` into ``p``."""
+        th.exp(logp_all, out=p)
 
     def backward(
         self,
