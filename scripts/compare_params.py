@@ -70,6 +70,18 @@ CASES: dict[str, Case] = {
         Case("sac_pendulum", "sac", "Pendulum-v1", "hyperparams/sac.yml", 1_000),
         Case("td3_pendulum", "td3", "Pendulum-v1", "hyperparams/td3.yml", 1_000, {"learning_starts": 500}),
         Case("ddpg_pendulum", "ddpg", "Pendulum-v1", "hyperparams/ddpg.yml", 1_000, {"learning_starts": 500}),
+        Case("a2c_cartpole", "a2c", "CartPole-v1", "hyperparams/a2c.yml", 20_000),
+        Case("a2c_cartpole_adam", "a2c", "CartPole-v1", "hyperparams/a2c.yml", 10_000, {"use_rms_prop": False}),
+        Case("a2c_lunarlander", "a2c", "LunarLander-v3", "hyperparams/a2c.yml", 10_000),
+        Case("ppo_mask_invalid_discrete", "ppo_mask", "InvalidActionEnvDiscrete-v0", "hyperparams/ppo_mask.yml", 10_000),
+        Case(
+            "ppo_mask_invalid_multidiscrete",
+            "ppo_mask",
+            "InvalidActionEnvMultiDiscrete-v0",
+            "hyperparams/ppo_mask.yml",
+            10_000,
+        ),
+        Case("ppo_mask_knapsack", "ppo_mask", "MaskedKnapsack-v0", "hyperparams/ppo_mask.yml", 10_000),
     )
 }
 

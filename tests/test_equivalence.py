@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch as th
+from stable_baselines3.common.callbacks import BaseCallback
 
 from tests.algo_cases import WITH_STOCK, AlgoCase, Counter, as_stock_layout, buffer_of, params
 from tests.algo_cases import CASES as ALL_CASES
@@ -44,6 +45,32 @@ def test_callbacks_see_what_stock_callbacks_see(case: AlgoCase) -> None:
     assert (ours.steps, ours.starts, ours.ends) == (stock.steps, stock.starts, stock.ends)
     loop_temporaries = {"obs_tensor", "done", "done_", "idx", "terminal_obs", "terminal_value", "terminal_lstm_state"}
     assert stock.keys - loop_temporaries - case.callback_gaps <= ours.keys
+
+
+class ModeRecorder(BaseCallback):
+    """Records the training flags of the policy's modules at every step (collection runs in evaluation mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.modes: list[list[bool]] = []
+
+    def _on_step(self) -> bool:
+        self.modes.append([m.training for m in self.model.policy.modules()])
+        return True
+
+
+@pytest.mark.parametrize("case", WITH_STOCK)
+def test_policy_modes_equal_stock(case: AlgoCase) -> None:
+    """Training mode switched as stock switches it (ours sets the flags without the policy's own call)."""
+    seen = []
+    for make in (case.make_stock, case.make_ours):
+        recorder = ModeRecorder()
+        model = make().learn(96, callback=recorder)
+        seen.append((recorder.modes, [m.training for m in model.policy.modules()]))
+    assert seen[0] == seen[1]
+    assert not any(any(modes) for modes in seen[0][0])
+    if case.on_policy:  # trained after the last collection (off-policy cases may still be before learning_starts)
+        assert all(seen[0][1])
 
 
 def first_rollout(cls, env, policy, kwargs):

@@ -9,6 +9,7 @@ from stable_baselines3.common.policies import ActorCriticPolicy, MultiInputActor
 from torch import nn
 
 from sb3_speedups.common.nn.blocked import BlockedMlpForward
+from sb3_speedups.common.nn.flat import FlatParameters
 from sb3_speedups.common.nn.mlp import parse_mlp
 from sb3_speedups.common.nn.training import ActorCriticMlp
 from sb3_speedups.common.nn.heads import make_head, sample_one_per_row
@@ -97,6 +98,22 @@ def test_mirror_follows_scattered_sources():
     mirror = ParameterMirror([a, b])
     a.add_(1.0)
     assert not mirror.is_current()
+    mirror.sync()
+    assert mirror.is_current()
+
+
+def test_mirror_follows_a_parameter_moved_out_of_the_flat_buffer():
+    policy = make_policy(ACTION_SPACES["discrete"])
+    flat = FlatParameters(list(policy.parameters()))
+    mirror = ParameterMirror(list(policy.parameters()))
+    assert mirror._tiled is not None  # the sources tile the flat buffer: one copy per sync
+    moved = next(policy.parameters())
+    with th.no_grad():
+        moved.data = moved.data.clone()
+        moved.add_(1.0)
+        flat.data.add_(1.0)
+    mirror.sync()
+    assert mirror.is_current() and mirror._tiled is None
     mirror.sync()
     assert mirror.is_current()
 

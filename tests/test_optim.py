@@ -8,6 +8,7 @@ from gymnasium import spaces
 from stable_baselines3.common.policies import ActorCriticPolicy
 
 from sb3_speedups.common.nn.flat import FlatParameters
+from sb3_speedups.common.torch_utils import KeptScalar
 from sb3_speedups.common.nn.optim import (
     FLUSH_SUBNORMALS_EVERY,
     FlatAdam,
@@ -206,3 +207,12 @@ def test_rmsprop_support_checks_and_the_flat_step_of_an_autograd_loss():
     assert FlatOptimizerStep(policy, policy.optimizer).flat is None
     step = FlatOptimizerStep(policy, policy.optimizer, rmsprop=True)
     assert isinstance(step.flat_optimizer, FlatRMSprop) and step.adam is None and step.is_bound(policy.optimizer)
+
+
+def test_kept_scalar_computes_as_the_python_number() -> None:
+    x = th.randn(1000)
+    kept = KeptScalar()
+    for value in (0.99, 1e-5, -1.0 / 3.0, 2.0 * 0.5 / 7.0, 0.99):  # numbers float32 rounds, and a repeat
+        assert th.equal(th.mul(x, kept(value)), th.mul(x, value))
+        assert th.equal(x.clone().add_(kept(value)), x.clone().add_(value))
+    assert kept.value == 0.99 and float(kept.tensor) == pytest.approx(0.99)

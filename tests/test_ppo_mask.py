@@ -16,7 +16,8 @@ from stable_baselines3.common.env_util import make_vec_env
 
 from sb3_speedups import MaskablePPO
 from sb3_speedups.cli import main
-from sb3_speedups.common.nn.heads.masked import MaskedCategoricalHead, make_masked_head
+from sb3_speedups.common.nn.heads.categorical import CategoricalHead
+from sb3_speedups.common.nn.heads.masked import MASKED_LOGIT, MaskedCategoricalHead, make_masked_head
 from sb3_speedups.ppo_mask import FastMaskableRolloutBuffer
 from sb3_speedups.registry import get_algo, import_object
 
@@ -212,13 +213,17 @@ def test_masks_reader_equals_get_action_masks() -> None:
     def masker() -> gym.Env:
         return ActionMasker(gym.make("CartPole-v1"), lambda e: np.array([e.unwrapped.state[0] > 0, True]))
 
-    for env in (vec_env("knapsack"), VecNormalize(vec_env("multidiscrete")), make_vec_env(masker, n_envs=3, seed=0)):
+    masked = make_vec_env(masker, n_envs=3, seed=0)
+    for env in (vec_env("knapsack"), VecNormalize(vec_env("multidiscrete")), vec_env("discrete"), masked):
+        # masks as arrays, as lists (sb3-contrib's envs), through wrappers
         assert _in_process_envs(env) is not None
         read = masks_reader(env)
         env.reset()
         env.action_space.seed(0)
         for _ in range(12):
-            np.testing.assert_array_equal(read(), get_action_masks(env))
+            ours, expected = read(), get_action_masks(env)
+            assert ours.dtype == expected.dtype and ours.shape == expected.shape
+            np.testing.assert_array_equal(ours, expected)
             env.step(np.array([env.action_space.sample() for _ in range(env.num_envs)]))
 
     class Redirecting(VecNormalize):
@@ -226,3 +231,25 @@ def test_masks_reader_equals_get_action_masks() -> None:
             return super().env_method(method_name, *args, indices=indices, **kwargs)
 
     assert _in_process_envs(Redirecting(vec_env("discrete"))) is None
+
+
+@pytest.mark.parametrize("nvec", [[10], [5, 5, 5], [3, 4]])
+def test_masked_head_forward_equals_the_plain_head_on_masked_logits(nvec: list[int]) -> None:
+    """Bit for bit, with the underflowing exp skipped: rows with every choice masked, logits near exp's underflow."""
+    generator = th.Generator().manual_seed(0)
+    n, k = 64, sum(nvec)
+    out = th.randn(n, k, generator=generator) * 5
+    masks = th.rand(n, k, generator=generator) > 0.5
+    masks[:, 0] = True
+    masks[:3] = False
+    out[5, 1], out[6, 2] = -105.0, -95.0
+    head, plain = MaskedCategoricalHead(nvec), CategoricalHead(nvec)
+    actions = head.training_actions(th.zeros(n, len(nvec)))
+    results = []
+    for h, logits in ((head, out), (plain, th.where(masks, out, th.tensor(MASKED_LOGIT)))):
+        ws, log_prob, neg_entropy = h.workspace(n, th.device("cpu")), th.empty(n), th.empty(n)
+        h.forward(ws, logits, {**actions, "masks": masks}, None, log_prob, neg_entropy)
+        results.append((ws.p, ws.tmp, log_prob, neg_entropy))
+    for ours, expected in zip(*results, strict=True):
+        assert th.equal(ours, expected)
+    assert (results[0][0] == 0).any() and (results[0][0][:3] > 0).all()

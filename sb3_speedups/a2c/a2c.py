@@ -31,8 +31,28 @@ from sb3_speedups.common.nn.heads import make_head
 from sb3_speedups.common.nn.optim import flat_optimizer_unsupported_reason
 from sb3_speedups.common.on_policy.fast_paths import mlp_model_unsupported_reason
 from sb3_speedups.common.torch_utils import apply_num_threads
+from sb3_speedups.common.training_mode import FastTrainingMode
 from sb3_speedups.ppo.buffers import FastRolloutBase, install_fast_rollout_buffer
 from sb3_speedups.ppo.collection import collect_rollout
+
+
+@dataclass
+class _RolloutViews:
+    """The flat training inputs of one rollout buffer on its own device: views made once, the same every update."""
+
+    buffer: FastRolloutBase
+    observations: th.Tensor
+    actions: th.Tensor
+    advantages: th.Tensor
+    returns: th.Tensor
+
+    @classmethod
+    def of(cls, buffer: FastRolloutBase) -> _RolloutViews:
+        """:return: the views (observations ``[n, obs_dim]`` in the buffer's dtype: the update converts others than float32)"""
+        observations = buffer.flat_observations()
+        assert isinstance(observations, th.Tensor)
+        x = observations.reshape(observations.shape[0], -1)
+        return cls(buffer, x, *(buffer.flat(name) for name in ("actions", "advantages", "returns")))
 
 
 @dataclass
@@ -42,9 +62,12 @@ class _Speedups:
     updater: HandDerivedA2CUpdate | AutogradA2CUpdate
     actor: FrozenActorCritic | ModuleActorCritic
     fallback_reason: str | None
+    #: whether the policy has a ``log_std`` parameter (whose mean ``train()`` logs)
+    has_log_std: bool = False
+    views: _RolloutViews | None = None
 
 
-class A2C(stable_baselines3.A2C):
+class A2C(FastTrainingMode, stable_baselines3.A2C):
     """
     Advantage Actor Critic, a drop-in for :class:`stable_baselines3.A2C` (same arguments, ``learn``, ``predict``,
     saved files); see :class:`stable_baselines3.A2C` for every argument not listed here.
@@ -108,7 +131,7 @@ class A2C(stable_baselines3.A2C):
             actor = ModuleActorCritic(self.policy, device)
             if self.verbose >= 1:
                 print(f"sb3_speedups A2C: using the autograd update ({reason})")
-        self._speedups = _Speedups(updater, actor, reason)
+        self._speedups = _Speedups(updater, actor, reason, isinstance(getattr(self.policy, "log_std", None), th.Tensor))
         return self._speedups
 
     # ----- collection and update ----------------------------------------------------------------------------------
@@ -128,7 +151,7 @@ class A2C(stable_baselines3.A2C):
         if not isinstance(buffer, FastRolloutBase):
             return super().train()
         speed = self._ensure_speedups()
-        self.policy.set_training_mode(True)
+        self._set_training_mode(True)
         self._update_learning_rate(self.policy.optimizer)
         cfg = A2CLossConfig(
             float(self.ent_coef), float(self.vf_coef), float(self.max_grad_norm), bool(self.normalize_advantage)
@@ -138,26 +161,29 @@ class A2C(stable_baselines3.A2C):
             # Stock's get() draws a permutation of the rollout; drawing it too keeps numpy's global RNG in step with
             # stock's (the loss is a mean over the rollout: the order would change only its rounding).
             np.random.permutation(buffer.buffer_size * buffer.n_envs)
-            observations = buffer.flat_observations()
-            assert isinstance(observations, th.Tensor)
-            actions, advantages, returns = (buffer.flat(name).to(self.device) for name in ("actions", "advantages", "returns"))
+            views = speed.views
+            if views is None or views.buffer is not buffer:
+                views = speed.views = _RolloutViews.of(buffer)
+            device = self.device
+            observations, actions, advantages, returns = (
+                t.to(device) for t in (views.observations, views.actions, views.advantages, views.returns)
+            )
             with th.inference_mode():  # no autograd is needed: without its dispatch every op is cheaper
-                stats = updater.update(observations.to(self.device), actions, advantages, returns, cfg)
+                stats = updater.update(observations, actions, advantages, returns, cfg)
         else:
             stats = updater.update(next(buffer.get(batch_size=None)), cfg)  # the whole rollout is one batch
         self._n_updates += 1
-        self._record_train_stats(stats)
+        self._record_train_stats(stats, speed.has_log_std)
 
-    def _record_train_stats(self, stats: th.Tensor) -> None:
+    def _record_train_stats(self, stats: th.Tensor, has_log_std: bool) -> None:
         """Record what stock A2C records after ``train()`` (one host sync for the losses)."""
         policy_loss, value_loss, entropy_loss = stats.tolist()
         buffer = self.rollout_buffer
         logger = self.logger
         logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
-        logger.record("train/explained_variance", explained_variance(buffer.values.flatten(), buffer.returns.flatten()))
+        logger.record("train/explained_variance", explained_variance(buffer.values.reshape(-1), buffer.returns.reshape(-1)))
         logger.record("train/entropy_loss", entropy_loss)
         logger.record("train/policy_loss", policy_loss)
         logger.record("train/value_loss", value_loss)
-        log_std = getattr(self.policy, "log_std", None)
-        if log_std is not None:
-            logger.record("train/std", th.exp(log_std).mean().item())
+        if has_log_std:
+            logger.record("train/std", th.exp(self.policy.log_std).mean().item())

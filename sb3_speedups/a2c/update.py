@@ -23,6 +23,7 @@ from stable_baselines3.common.type_aliases import DictRolloutBufferSamples, Roll
 from sb3_speedups.common.nn.heads import ActionHead
 from sb3_speedups.common.nn.optim import FlatOptimizerStep, make_flat_optimizer
 from sb3_speedups.common.nn.training import ActorCriticMlp
+from sb3_speedups.common.torch_utils import KeptScalar
 
 #: the statistics of one update, in the order of its stats tensor (what stock A2C logs)
 A2C_STATS = ("policy_loss", "value_loss", "entropy_loss")
@@ -84,6 +85,9 @@ class A2CWorkspace:
     #: ``[n, 1]`` d loss / d V, and its flat view
     g_values: th.Tensor
     g_values_flat: th.Tensor
+    #: ``-1 / n`` and ``2 vf_coef / n`` as kept 0-dim tensors
+    neg_inv_n: th.Tensor
+    value_scale: KeptScalar
     head: Any
 
     @classmethod
@@ -110,6 +114,8 @@ class A2CWorkspace:
             g_log_prob=vector(),
             g_values=g_values,
             g_values_flat=g_values.view(-1),
+            neg_inv_n=KeptScalar(device)(-1.0 / n),
+            value_scale=KeptScalar(device),
             head=head.workspace(n, device),
         )
 
@@ -141,7 +147,8 @@ class HandDerivedA2CUpdate:
         """
         One gradient step on the whole rollout.
 
-        :param observations: flat observations ``[n, ...]``
+        :param observations: observations ``[n, ...]``; pass the network's float32 input ``[n, obs_dim]`` itself, the
+            same tensor every update, to spare the conversion and the input's views
         :param actions: the stored float actions ``[n, action_dim]``
         :param advantages: ``[n]``
         :param returns: ``[n]``
@@ -151,7 +158,10 @@ class HandDerivedA2CUpdate:
         n = observations.shape[0]
         ws = self._ws.get(n) or self._ws.setdefault(n, A2CWorkspace.allocate(n, observations.device, self.head))
         rows = ws.stat_rows
-        out, values = self.net.forward(observations.reshape(n, -1).float())
+        x = observations
+        if x.dim() != 2 or x.dtype != th.float32:
+            x = x.reshape(n, -1).float()
+        out, values = self.net.forward(x)
         self.head.forward(ws.head, out, self.head.training_actions(actions), self.net.log_std, ws.log_prob, rows[ENTROPY_LOSS])
         if cfg.normalize_advantage:
             advantages = normalized_advantages(advantages)
@@ -160,8 +170,8 @@ class HandDerivedA2CUpdate:
         th.mul(ws.err, ws.err, out=rows[VALUE_LOSS])
         th.mv(ws.rows, ws.mean_weights, out=ws.stats).mul_(ws.signs)
         # d L / d log pi = -A / n, d L / d H = -ent_coef / n, d L / d V = 2 vf_coef (V - R) / n
-        th.mul(advantages, -1.0 / n, out=ws.g_log_prob)
-        th.mul(ws.err, 2.0 * cfg.vf_coef / n, out=ws.g_values_flat)
+        th.mul(advantages, ws.neg_inv_n, out=ws.g_log_prob)
+        th.mul(ws.err, ws.value_scale(2.0 * cfg.vf_coef / n), out=ws.g_values_flat)
         d_out = self.net.d_out_buffer(n)
         self.head.backward(ws.head, ws.g_log_prob, -cfg.ent_coef / n, d_out, self.net.grad_log_std)
         self.net.backward(d_out, ws.g_values)

@@ -89,3 +89,26 @@ def num_threads_during(num_threads: int | None) -> Iterator[None]:
         yield
     finally:
         th.set_num_threads(previous)
+
+
+class KeptScalar:
+    """
+    A number as a kept 0-dim tensor, refilled only when the number changes. An arithmetic op given a Python number
+    wraps it in a fresh tensor and converts it at every call; given this tensor, the op computes the same (a float32
+    op casts the number to float32 either way) without that.
+
+    :param device: where the tensor lives
+    :param dtype: its dtype (the dtype of the tensors it multiplies or adds to)
+    """
+
+    def __init__(self, device: th.device | str = "cpu", dtype: th.dtype = th.float32) -> None:
+        with th.inference_mode(False):  # a normal tensor even when made under inference mode, usable in any mode
+            self.tensor = th.empty((), device=device, dtype=dtype)
+        self.value: float | None = None
+
+    def __call__(self, value: float) -> th.Tensor:
+        """:return: the tensor, holding ``value``"""
+        if value != self.value:
+            self.tensor.fill_(value)
+            self.value = value
+        return self.tensor

@@ -1,9 +1,10 @@
 """
 A policy's ``set_training_mode`` without ``nn.Module.train``'s recursive walk and ``__setattr__`` checks.
 
-Off-policy algorithms switch the policy to evaluation mode before every collection and back before every ``train()``,
-so at one gradient step every few env steps the walk is a visible share of the step. :class:`TrainingModeSwitch`
-finds once which modules the policy's own ``set_training_mode`` sets, then sets exactly those flags.
+Every algorithm switches the policy to evaluation mode before every collection and back before every ``train()``;
+where a collection is a few env steps (off-policy algorithms, A2C), the walk is a visible share of the cycle.
+:class:`TrainingModeSwitch` finds once which modules the policy's own ``set_training_mode`` sets, then sets exactly
+those flags; :class:`FastTrainingMode` keeps one on the algorithm.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.policies import BaseModel
 from stable_baselines3.dqn.policies import DQNPolicy
 from stable_baselines3.sac.policies import SACPolicy
@@ -63,3 +65,35 @@ class TrainingModeSwitch:
             return
         for m in self.modules:
             object.__setattr__(m, "training", mode)
+
+
+class FastTrainingMode(BaseAlgorithm):
+    """
+    Mixin for subclasses of a stock algorithm: :meth:`_set_training_mode` is ``self.policy.set_training_mode`` through
+    a :class:`TrainingModeSwitch` kept until the policy is replaced or the next ``learn()`` (its modules may have
+    changed in between); the switch is not saved.
+    """
+
+    _training_mode_switch: TrainingModeSwitch | None = None
+
+    def _set_training_mode(self, mode: bool) -> None:
+        """``self.policy.set_training_mode(mode)``, cheaper (for ``train()`` overrides too)"""
+        switch = self._training_mode_switch
+        if switch is None or switch.policy is not self.policy:
+            switch = self._training_mode_switch = TrainingModeSwitch(self.policy)
+        switch(mode)
+
+    def _setup_learn(self, *args: Any, **kwargs: Any) -> Any:
+        self._training_mode_switch = None
+        return super()._setup_learn(*args, **kwargs)
+
+    def _excluded_save_params(self) -> list[str]:
+        return [*super()._excluded_save_params(), "_training_mode_switch"]
+
+
+def set_training_mode(model: BaseAlgorithm, mode: bool) -> None:
+    """``model.policy.set_training_mode(mode)``, through the model's kept switch where it is a :class:`FastTrainingMode`"""
+    if isinstance(model, FastTrainingMode):
+        model._set_training_mode(mode)
+    else:
+        model.policy.set_training_mode(mode)

@@ -136,10 +136,11 @@ class FastRolloutBase:
         self.actions[pos] = np.asarray(action).reshape((self.n_envs, self.action_dim))
         self.rewards[pos] = reward
         self.episode_starts[pos] = episode_start
-        if value.device.type == "cpu" and log_prob.device.type == "cpu":
-            # numpy assignment: about a third of the cost of selecting a row tensor and copying into it
-            self.values[pos] = value.detach().numpy().reshape(-1)
-            self.log_probs[pos] = log_prob.detach().numpy().reshape(-1)
+        if value.is_cpu and log_prob.is_cpu:
+            # numpy assignment: about a third of the cost of selecting a row tensor and copying into it (the actors'
+            # results need no detach)
+            self.values[pos] = (value.detach() if value.requires_grad else value).numpy().reshape(-1)
+            self.log_probs[pos] = (log_prob.detach() if log_prob.requires_grad else log_prob).numpy().reshape(-1)
         else:
             self.tensors["values"][pos].copy_(value.reshape(-1))
             self.tensors["log_probs"][pos].copy_(log_prob.reshape(-1))

@@ -18,6 +18,7 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_speedups.common.on_policy.timeouts import bootstrap_timeouts
+from sb3_speedups.common.training_mode import set_training_mode
 from sb3_speedups.common.vec_env.stepping import SubsetSteppingMixin
 from sb3_speedups.ppo.buffers import FastRolloutBase
 from sb3_speedups.errors import UserError
@@ -101,7 +102,7 @@ def collect_rollout(
     """
     self = model  # callbacks may read ``locals()["self"]``, as in SB3's loop
     assert self._last_obs is not None, "No previous observation was provided"
-    self.policy.set_training_mode(False)
+    set_training_mode(self, False)
     n_steps = 0
     action_masks = None
     rollout_buffer.reset()
@@ -197,7 +198,7 @@ def collect_rollout_double_buffered(
     self = model  # callbacks may read ``locals()["self"]``, as in SB3's loop
     assert self._last_obs is not None, "No previous observation was provided"
     assert isinstance(env, SubsetSteppingMixin)
-    self.policy.set_training_mode(False)
+    set_training_mode(self, False)
     halves = env.halves()
     n_steps = 0
     rollout_buffer.reset()

@@ -32,6 +32,7 @@ from sb3_speedups.common.nn.heads.masked import make_masked_head
 from sb3_speedups.common.nn.optim import adam_unsupported_reason
 from sb3_speedups.common.nn.training import mlp_unsupported_reason
 from sb3_speedups.common.torch_utils import apply_num_threads
+from sb3_speedups.common.training_mode import FastTrainingMode
 from sb3_speedups.errors import UserValueError
 from sb3_speedups.ppo.collection import collect_rollout
 from sb3_speedups.ppo.minibatches import MinibatchSampler
@@ -42,7 +43,7 @@ from sb3_speedups.ppo_mask.buffers import FastMaskableRolloutBuffer
 from sb3_speedups.ppo_mask.masks import masks_reader
 
 
-class MaskablePPO(sb3_contrib.MaskablePPO):
+class MaskablePPO(FastTrainingMode, sb3_contrib.MaskablePPO):
     """
     PPO with invalid-action masking, a drop-in for :class:`sb3_contrib.MaskablePPO` (same arguments, ``learn`` with
     ``use_masking``, ``predict`` with ``action_masks``, saved files); see :class:`sb3_contrib.MaskablePPO` for every

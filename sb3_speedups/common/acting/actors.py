@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,14 @@ from sb3_speedups.common.nn.actor_critic import flat_layout, parse_actor_critic
 from sb3_speedups.common.nn.heads import ActionHead, make_head
 from sb3_speedups.common.nn.heads.masked import mask_logits, mask_logits_numpy
 from sb3_speedups.common.nn.mlp import stack
+
+
+@dataclass
+class _Tiled:
+    """The sources' addresses when they were last found to tile one storage, and the flat view over them."""
+
+    pointers: list[int]
+    flat: th.Tensor
 
 
 class ParameterMirror:
@@ -57,6 +66,7 @@ class ParameterMirror:
             self._order.sort(key=lambda i: (detached[i].untyped_storage().data_ptr(), detached[i].storage_offset()))
         dtype = detached[0].dtype if detached else th.float32
         self.flat = th.empty(sum(s.numel() for s in detached), dtype=dtype, device=self.device)
+        self._tiled: _Tiled | None = None
         self.copies: list[th.Tensor] = [self.flat] * len(detached)
         offset = 0
         for i in self._order:
@@ -78,13 +88,23 @@ class ParameterMirror:
             offset += s.numel()
         return th.as_strided(first, (offset - start,), (1,), start)
 
-    @th.no_grad()
     def sync(self) -> None:
         """Copy the sources' current values (one transfer when they tile one flat buffer)."""
+        tiled = self._tiled
+        # The sources still where the tiling was found: the view keeps that storage alive, so equal addresses can
+        # only be the same tensors (a moved or replaced parameter has a new address).
+        if tiled is not None and list(map(th.Tensor.data_ptr, self.sources)) == tiled.pointers:
+            self.flat.copy_(tiled.flat)
+            return
+        self._sync_and_find_tiling()
+
+    @th.no_grad()
+    def _sync_and_find_tiling(self) -> None:
         if not self.sources:
             return
         sources = [s.detach() for s in self.sources]
         flat = self._tiling(sources)
+        self._tiled = None if flat is None else _Tiled(list(map(th.Tensor.data_ptr, sources)), flat)
         if flat is not None:
             self.flat.copy_(flat)
         elif all(s.device == self.device for s in sources):

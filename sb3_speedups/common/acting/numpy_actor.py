@@ -58,7 +58,9 @@ class NumpyMlp:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """:return: the output of float32 inputs ``[n, in]`` (fresh arrays)"""
         for weight_t, bias, act in self.layers:
-            x = _affine(x, weight_t, bias)
+            x = np.matmul(x, weight_t)
+            if bias is not None:
+                np.add(x, bias, out=x)
             if act is not None:
                 act(x)
         return x
@@ -105,7 +107,8 @@ class NumpyActorCritic:
     def forward(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:return: the action net's output ``[n, n_out]`` and the values ``[n, 1]`` (float32, fresh arrays)"""
         x = np.asarray(obs, dtype=np.float32)
-        x = x.reshape(x.shape[0], -1)
+        if x.ndim != 2:
+            x = x.reshape(x.shape[0], -1)
         if len(self.chains) == 1:
             latents = self.chains[0](x)
             latent_pi, latent_vf = latents[0], latents[1]

@@ -15,6 +15,7 @@ import torch as th
 from torch import nn
 
 from sb3_speedups.common.nn.flat import FlatParameters, shared_zeros
+from sb3_speedups.common.torch_utils import KeptScalar
 
 #: Adam steps between two flushes of subnormal moments (:meth:`FlatAdam.flush_subnormal_moments`)
 FLUSH_SUBNORMALS_EVERY = 16
@@ -130,6 +131,7 @@ class FlatAdam:
                 optimizer.state[p] = {"step": self.steps[i], "exp_avg": m, "exp_avg_sq": v}
         self._bound = [optimizer.state[p]["exp_avg"] for p in flat.params]
         self._first_step = self.steps[0]  # the fused kernel reads one counter (all are equal); a view made once
+        self._one = KeptScalar(self.steps.device)(1.0)
         self._steps_since_flush = 0
         self._ranges: dict[tuple[int, int] | None, list[th.Tensor]] = {}
         # only CPUs slow down on subnormal numbers (and a recorded CUDA graph must not depend on a host counter)
@@ -154,7 +156,7 @@ class FlatAdam:
         :param grad_divisor: divide the gradient by this first, inside the fused kernel (gradient clipping)
         :param lr: a 0-dim tensor on the parameters' device to read the learning rate from instead (CUDA graphs)
         """
-        self.steps.add_(1)
+        self.steps.add_(self._one)
         host_lr, beta1, beta2, eps = self.hyperparameters()
         self._fused_step(None, grad_divisor, host_lr if lr is None else lr, beta1, beta2, eps)
 
@@ -252,6 +254,9 @@ class FlatRMSprop:
         self._bound = [optimizer.state[p]["square_avg"] for p in flat.params]
         self._steps_since_flush = 0
         self._on_cpu = flat.data.device.type == "cpu"
+        device, dtype = flat.data.device, flat.data.dtype
+        self._alpha, self._eps = KeptScalar(device, dtype), KeptScalar(device, dtype)
+        self._one = KeptScalar(self.steps.device)(1.0)
 
     def is_bound(self) -> bool:
         """:return: whether the optimizer still holds our state views (``optimizer.load_state_dict`` replaces them)"""
@@ -269,9 +274,9 @@ class FlatRMSprop:
         grad = self.flat.grad
         if grad_divisor is not None:
             grad.div_(grad_divisor)
-        self.steps.add_(1)
-        self.square_avg.mul_(alpha).addcmul_(grad, grad, value=1 - alpha)
-        th.sqrt(self.square_avg, out=self._avg).add_(eps)
+        self.steps.add_(self._one)
+        self.square_avg.mul_(self._alpha(alpha)).addcmul_(grad, grad, value=1 - alpha)
+        th.sqrt(self.square_avg, out=self._avg).add_(self._eps(eps))
         self.flat.data.addcdiv_(grad, self._avg, value=-lr)
         self._steps_since_flush += 1
         # as FlatAdam's second moment: a subnormal square_avg moves no parameter while eps >= FLUSH_MIN_EPS

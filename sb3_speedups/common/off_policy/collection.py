@@ -32,16 +32,14 @@ from stable_baselines3.common.type_aliases import RolloutReturn, TrainFreq, Trai
 from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_speedups.common.off_policy.transitions import copies_on_add, store_transition
-from sb3_speedups.common.training_mode import TrainingModeSwitch
+from sb3_speedups.common.training_mode import FastTrainingMode
 
 
-class FastOffPolicyCollection(OffPolicyAlgorithm):
+class FastOffPolicyCollection(FastTrainingMode, OffPolicyAlgorithm):
     """
     Mixin for subclasses of a stock off-policy algorithm: replaces ``collect_rollouts`` and ``_store_transition``
     with lean versions of the same effects (see the module docstring for the hooks).
     """
-
-    _training_mode_switch: TrainingModeSwitch | None
 
     def collect_rollouts(
         self,
@@ -124,20 +122,6 @@ class FastOffPolicyCollection(OffPolicyAlgorithm):
                     self.dump_logs()
         callback.on_rollout_end()
         return RolloutReturn(steps * n_envs, episodes, continue_training=True)
-
-    def _set_training_mode(self, mode: bool) -> None:
-        """``self.policy.set_training_mode(mode)``, cheaper (for ``train()`` overrides too)"""
-        switch: TrainingModeSwitch | None = getattr(self, "_training_mode_switch", None)
-        if switch is None or switch.policy is not self.policy:
-            switch = self._training_mode_switch = TrainingModeSwitch(self.policy)
-        switch(mode)
-
-    def _setup_learn(self, *args: Any, **kwargs: Any) -> Any:
-        self._training_mode_switch = None  # the policy's modules may have changed between learn() calls
-        return super()._setup_learn(*args, **kwargs)
-
-    def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "_training_mode_switch"]
 
     def _store_transition(
         self,

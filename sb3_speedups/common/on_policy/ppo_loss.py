@@ -25,6 +25,8 @@ import torch as th
 import torch.nn.functional as F
 from stable_baselines3.common.utils import explained_variance
 
+from sb3_speedups.common.training_mode import set_training_mode
+
 if TYPE_CHECKING:
     import sb3_contrib
     import stable_baselines3
@@ -60,7 +62,7 @@ def start_train(model: PPOModel) -> PPOLossConfig:
     :param model: the PPO model
     :return: the loss's coefficients at the current progress (clip-range schedules evaluated)
     """
-    model.policy.set_training_mode(True)
+    set_training_mode(model, True)
     model._update_learning_rate(model.policy.optimizer)
     progress = model._current_progress_remaining
     vf = model.clip_range_vf

@@ -83,6 +83,7 @@ class CategoricalHead(ActionHead[CategoricalWorkspace]):
         self.nvec = nvec
         self.discrete = len(nvec) == 1
         self._race: RaceBuffers | None = None
+        self._starts: dict[th.device, th.Tensor] = {}
         # Equal blocks are handled as one [n, k, m] tensor; unequal ones block by block.
         self.uniform = len(set(nvec)) == 1
         self.bounds = [(sum(nvec[:j]), sum(nvec[: j + 1])) for j in range(len(nvec))]
@@ -112,13 +113,14 @@ class CategoricalHead(ActionHead[CategoricalWorkspace]):
             return super().sample_numpy(out, log_std)
         # One Discrete block in numpy (a dozen small numpy calls cost less than torch's logsumexp alone); the
         # exponential race draws from torch's RNG as sample_one_per_row does, so the same actions are sampled.
-        shifted = out - out.max(axis=1, keepdims=True)
+        # (the ufuncs' reduce, not the array methods: the same results without the methods' Python wrappers)
+        shifted = np.subtract(out, np.maximum.reduce(out, axis=1, keepdims=True))
         exp = np.exp(shifted)
-        total = exp.sum(axis=1, keepdims=True)
+        total = np.add.reduce(exp, axis=1, keepdims=True)
         race = self._race_buffers(out.shape)
         race.draws.exponential_()
         np.divide(exp, total, out=exp)
-        actions = np.argmax(np.divide(exp, race.draws_numpy, out=exp), axis=1)
+        actions = np.divide(exp, race.draws_numpy, out=exp).argmax(axis=1)
         # the chosen entries of shifted - log(total): the same float operations as on the whole array
         log_prob = shifted[race.rows, actions] - np.log(total[:, 0])
         return actions, th.from_numpy(log_prob)
@@ -143,10 +145,17 @@ class CategoricalHead(ActionHead[CategoricalWorkspace]):
 
     def training_actions(self, actions: th.Tensor) -> dict[str, th.Tensor]:
         index = actions.long().view(actions.shape[0], len(self.nvec))
-        starts = th.tensor([start for start, _ in self.bounds], device=actions.device)
         onehot = th.zeros(actions.shape[0], self.n_outputs, dtype=actions.dtype, device=actions.device)
-        onehot.scatter_(1, index + starts, 1.0)
+        onehot.scatter_(1, index if self.discrete else index + self._block_starts(actions.device), 1.0)
         return {"index": index.unsqueeze(-1) if self.uniform else index, "onehot": onehot}
+
+    def _block_starts(self, device: th.device) -> th.Tensor:
+        """:return: each block's first column in the output ``[n_blocks]``, made once per device (A2C asks every update)"""
+        starts = self._starts.get(device)
+        if starts is None:
+            with th.inference_mode(False):
+                starts = self._starts[device] = th.tensor([start for start, _ in self.bounds], device=device)
+        return starts
 
     def workspace(self, n: int, device: th.device) -> CategoricalWorkspace:
         shape = (n, len(self.nvec), 1) if self.uniform else (n, len(self.nvec))
@@ -195,7 +204,7 @@ class CategoricalHead(ActionHead[CategoricalWorkspace]):
             for j, (start, end) in enumerate(self.bounds):
                 th.log_softmax(out[:, start:end], 1, out=logp_all[:, start:end])
                 th.gather(logp_all[:, start:end], 1, index[:, j : j + 1], out=picked[:, j : j + 1])
-        th.exp(logp_all, out=p)
+        self._exp(ws, logp_all, p)
         th.mul(p, logp_all, out=tmp)
         # Per-block sum(p * log p) (the negated block entropy) is needed by the entropy gradient.
         if blocks is not None:
@@ -206,6 +215,10 @@ class CategoricalHead(ActionHead[CategoricalWorkspace]):
         if not self.discrete:
             th.sum(picked.view(n, -1), 1, out=log_prob)
             th.sum(block_neg_ent.view(n, -1), 1, out=neg_entropy)
+
+    def _exp(self, ws: CategoricalWorkspace, logp_all: th.Tensor, p: th.Tensor) -> None:
+        """Write the probabilities ``exp(logp_all)`` into ``p``."""
+        th.exp(logp_all, out=p)
 
     def backward(
         self,

@@ -16,6 +16,8 @@ from sb3_speedups.common.nn.heads.categorical import CategoricalHead, Categorica
 
 #: the logit sb3-contrib gives a masked choice (its probability is then exactly 0 in float32)
 MASKED_LOGIT = -1e8
+#: below this, float32 ``exp`` is exactly 0 (its smallest subnormal is ``exp(-103.3)``)
+EXP_ZERO_BELOW = -110.0
 
 
 def mask_logits(out: th.Tensor, masks: th.Tensor | np.ndarray) -> th.Tensor:
@@ -39,10 +41,16 @@ class MaskedCategoricalWorkspace(CategoricalWorkspace):
     """
     :param masked: the masked logits ``[n, n_outputs]`` of the last forward
     :param masked_logit: :data:`MASKED_LOGIT` as a 0-d tensor on the device (``th.where(..., out=)`` takes no float)
+    :param underflows: where a log-probability's ``exp`` is exactly 0 ``[n, n_outputs]`` (bool)
+    :param zero: 0 as a 0-d tensor on the device
+    :param exp_zero_below: :data:`EXP_ZERO_BELOW` as a 0-d tensor on the device
     """
 
     masked: th.Tensor
     masked_logit: th.Tensor
+    underflows: th.Tensor
+    zero: th.Tensor
+    exp_zero_below: th.Tensor
 
 
 class MaskedCategoricalHead(CategoricalHead):
@@ -58,6 +66,9 @@ class MaskedCategoricalHead(CategoricalHead):
         return MaskedCategoricalWorkspace(
             masked=th.empty(n, self.n_outputs, device=device),
             masked_logit=th.tensor(MASKED_LOGIT, device=device),
+            underflows=th.empty(n, self.n_outputs, dtype=th.bool, device=device),
+            zero=th.tensor(0.0, device=device),
+            exp_zero_below=th.tensor(EXP_ZERO_BELOW, device=device),
             **{f.name: getattr(plain, f.name) for f in fields(plain)},
         )
 
@@ -73,6 +84,15 @@ class MaskedCategoricalHead(CategoricalHead):
         assert isinstance(ws, MaskedCategoricalWorkspace)
         th.where(actions["masks"], out, ws.masked_logit, out=ws.masked)
         super().forward(ws, ws.masked, actions, log_std, log_prob, neg_entropy)
+
+    def _exp(self, ws: CategoricalWorkspace, logp_all: th.Tensor, p: th.Tensor) -> None:
+        # The masked choices' log-probabilities (about -1e8) send the CPU's vectorised exp into its slow underflow
+        # path, many times the cost of the rest; their exp is exactly 0, so it is taken of 0 and then set to 0.
+        assert isinstance(ws, MaskedCategoricalWorkspace)
+        th.lt(logp_all, ws.exp_zero_below, out=ws.underflows)
+        th.where(ws.underflows, ws.zero, logp_all, out=p)
+        th.exp(p, out=p)
+        th.where(ws.underflows, ws.zero, p, out=p)
 
     def log_prob_entropy(self, out: th.Tensor, actions: th.Tensor, log_std: th.Tensor | None) -> tuple[th.Tensor, th.Tensor]:
         raise NotImplementedError("masked heads take their masks with the training actions (forward)")
