@@ -134,17 +134,6 @@ class MlpChain:
         )
         return self.ws[n]
 
-    def share_workspaces(self, other: MlpChain) -> None:
-        """
-        Keep this chain's activations in ``other``'s buffers: for a forward-only chain whose activations are dead
-        before ``other`` runs again (target critics), so that an update touches less memory.
-
-        :param other: a chain of the same layer shapes and activation
-        """
-        if [w.shape for w in self.weights] != [w.shape for w in other.weights] or self.activation is not other.activation:
-            raise ValueError("only chains of the same layer shapes and activation can share workspaces")
-        self.ws = other.ws
-
     def last_grad(self, n: int) -> th.Tensor:
         """:return: the buffer for the gradient of the last activations ``[G, n, out]`` (after a forward of ``n``)"""
         return self.ws[n].grads[-1]

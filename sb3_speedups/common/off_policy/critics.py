@@ -153,8 +153,6 @@ class StackedCritics:
         # the first critic alone, on the same views (TD3's and DDPG's actor loss reads only it)
         self.first_chain = MlpChain(self.flat, [mlps[0].head()[0]])
         self.target_chain = MlpChain(self.target_flat, [m.head()[0] for m in target_mlps])
-        # the target values are read before the critics' next forward overwrites these buffers
-        self.target_chain.share_workspaces(self.chain)
         self.head = _head(self.flat, mlps, self.groups)
         self.first_head = _head(self.flat, mlps, 1)
         self.target_head = _head(self.target_flat, target_mlps, self.groups)
