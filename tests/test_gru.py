@@ -175,3 +175,18 @@ def test_gru_layers_of_one_shape_keep_their_buffers_apart_until_their_backward()
     gru_sequence(rnn, x, h0s[1])[0].sum()  # takes the same shape's buffers, now free
     with pytest.raises(RuntimeError, match="reused by a later forward"):
         th.autograd.grad(out, [h0s[0]])
+
+
+def test_gru_buffers_made_under_inference_mode_serve_training_after_it() -> None:
+    """Acting runs under inference mode; the buffers it leaves in the cache must still take a training forward."""
+    th.manual_seed(0)
+    rnn = nn.GRU(4, 8)
+    x, h0 = th.randn(5, 3, 4), th.zeros(1, 3, 8)
+    with th.inference_mode():
+        gru_sequences([rnn], [x], [h0])
+    x_train = x.clone().requires_grad_(True)
+    out, _ = gru_sequences([rnn], [x_train], [h0])[0]
+    out.sum().backward()
+    reference, _ = rnn(x, h0)
+    assert_close_relative(out.detach(), reference.detach())
+    assert x_train.grad is not None and rnn.weight_hh_l0.grad is not None

@@ -126,6 +126,7 @@ class GruScratch:
     d_states: th.Tensor | None = None
     back_steps: list[tuple[th.Tensor, ...]] = field(default_factory=list)
 
+    @th.inference_mode(False)
     def backward_buffers(self) -> tuple[th.Tensor, th.Tensor]:
         """:return: :attr:`grads` and :attr:`d_states`, made with :attr:`back_steps` on the first call"""
         if self.grads is None or self.d_states is None:
@@ -142,6 +143,8 @@ class GruScratch:
         return self.grads, self.d_states
 
     @classmethod
+    # normal tensors even when made under inference mode (acting), so that training can reuse them
+    @th.inference_mode(False)
     def make(cls, k: int, seq_len: int, n: int, hidden: int, like: th.Tensor) -> GruScratch:
         """:return: fresh buffers for ``k`` layers of ``hidden`` units over ``seq_len`` steps of ``n`` sequences"""
         h2 = 2 * hidden
