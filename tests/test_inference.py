@@ -11,7 +11,7 @@ from torch import nn
 from sb3_speedups.common.nn.blocked import BlockedMlpForward
 from sb3_speedups.common.nn.flat import FlatParameters
 from sb3_speedups.common.nn.mlp import parse_mlp
-from sb3_speedups.common.nn.training import ActorCriticMlp
+from sb3_speedups.common.nn.actor_critic_mlp import ActorCriticMlp
 from sb3_speedups.common.nn.heads import make_head, sample_one_per_row
 from sb3_speedups.common.acting.actors import FrozenActorCritic, TorchMlp, ModuleActorCritic, ParameterMirror
 

@@ -14,7 +14,7 @@ from sb3_speedups.common.acting.numpy_actor import NumpyActorCritic, NumpyMlp
 from sb3_speedups.common.nn.actor_critic import mlp_unsupported_reason, parse_actor_critic
 from sb3_speedups.common.nn.blocked import BlockedMlpForward, forward_in_blocks
 from sb3_speedups.common.nn.mlp import NONE, RELU, TANH, parse_mlp, parse_output_mlp, stack
-from sb3_speedups.common.nn.training import ActorCriticMlp
+from sb3_speedups.common.nn.actor_critic_mlp import ActorCriticMlp
 
 OBS_SPACE = spaces.Box(-1, 1, (5,))
 

@@ -22,7 +22,7 @@ from stable_baselines3.common.type_aliases import DictRolloutBufferSamples, Roll
 
 from sb3_speedups.common.nn.heads import ActionHead
 from sb3_speedups.common.nn.optim import FlatOptimizerStep, make_flat_optimizer
-from sb3_speedups.common.nn.training import ActorCriticMlp
+from sb3_speedups.common.nn.actor_critic_mlp import ActorCriticMlp
 from sb3_speedups.common.torch_utils import KeptScalar
 
 #: the statistics of one update, in the order of its stats tensor (what stock A2C logs)

@@ -30,7 +30,7 @@ from stable_baselines3.common.vec_env import VecEnv
 from sb3_speedups.common.acting.actors import FrozenActorCritic
 from sb3_speedups.common.nn.heads.masked import make_masked_head
 from sb3_speedups.common.nn.optim import adam_unsupported_reason
-from sb3_speedups.common.nn.training import mlp_unsupported_reason
+from sb3_speedups.common.nn.actor_critic import mlp_unsupported_reason
 from sb3_speedups.common.torch_utils import apply_num_threads
 from sb3_speedups.common.training_mode import FastTrainingMode
 from sb3_speedups.errors import UserValueError

@@ -31,7 +31,7 @@ from sb3_speedups.common.off_policy.actor_net import ActorNet
 from sb3_speedups.common.off_policy.critics import (
     actor_and_critic_training_reason,
     StackedCritics,
-    flat_box_reason,
+    stock_actor_reason,
     foreach_polyak_,
     without_weight_gradients,
 )
@@ -44,9 +44,7 @@ def sac_unsupported_reason(policy: SACPolicy, use_sde: bool) -> str | None:
     if use_sde:
         return "gSDE"
     actor = policy.actor
-    if type(actor) is not Actor:
-        return f"actor class {type(actor).__name__} is not the stock Actor"
-    reason = flat_box_reason(actor.observation_space, actor.features_extractor)
+    reason = stock_actor_reason(actor, Actor)
     if reason is not None:
         return reason
     hidden = parse_mlp(actor.latent_pi)

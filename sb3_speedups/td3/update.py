@@ -22,7 +22,7 @@ from sb3_speedups.common.off_policy.batches import OffPolicyBatches
 from sb3_speedups.common.off_policy.critics import (
     actor_and_critic_training_reason,
     StackedCritics,
-    flat_box_reason,
+    stock_actor_reason,
     foreach_polyak_,
     polyak_,
     without_weight_gradients,
@@ -32,9 +32,7 @@ from sb3_speedups.common.off_policy.critics import (
 def td3_unsupported_reason(policy: TD3Policy) -> str | None:
     """:return: why :class:`HandDerivedTD3Update` cannot run ``policy``, or ``None`` when it can"""
     actor = policy.actor
-    if type(actor) is not Actor:
-        return f"actor class {type(actor).__name__} is not the stock Actor"
-    reason = flat_box_reason(actor.observation_space, actor.features_extractor)
+    reason = stock_actor_reason(actor, Actor)
     if reason is not None:
         return reason
     mlp = parse_mlp(actor.mu)

@@ -69,7 +69,7 @@ def _is_plain_policy(policy: nn.Module) -> TypeGuard[ActorCriticPolicy]:
 def mlp_unsupported_reason(policy: nn.Module) -> str | None:
     """
     :param policy: an SB3 policy
-    :return: why :class:`~sb3_speedups.common.nn.training.ActorCriticMlp` cannot run it, or ``None`` when it can
+    :return: why :class:`~sb3_speedups.common.nn.actor_critic_mlp.ActorCriticMlp` cannot run it, or ``None`` when it can
     """
     if not _is_plain_policy(policy):
         return f"policy class {type(policy).__name__} is not the plain MlpPolicy (ActorCriticPolicy)"

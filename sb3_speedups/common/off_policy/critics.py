@@ -36,6 +36,13 @@ def flat_box_reason(space: spaces.Space, features_extractor: nn.Module) -> str |
     return None
 
 
+def stock_actor_reason(actor: nn.Module, actor_class: type[nn.Module]) -> str | None:
+    """:return: why ``actor`` is not the stock ``actor_class`` on flat ``Box`` observations, or ``None``"""
+    if type(actor) is not actor_class:
+        return f"actor class {type(actor).__name__} is not the stock Actor"
+    return flat_box_reason(actor.observation_space, actor.features_extractor)  # type: ignore[arg-type]
+
+
 def critic_unsupported_reason(critic: ContinuousCritic, optimizer: th.optim.Optimizer) -> str | None:
     """:return: why :class:`StackedCritics` cannot run ``critic`` (trained by ``optimizer``), or ``None``"""
     if type(critic) is not ContinuousCritic:

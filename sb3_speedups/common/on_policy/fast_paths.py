@@ -7,7 +7,7 @@ from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
 from stable_baselines3.common.preprocessing import is_image_space
 
 from sb3_speedups.common.nn.heads import make_head
-from sb3_speedups.common.nn.training import mlp_unsupported_reason
+from sb3_speedups.common.nn.actor_critic import mlp_unsupported_reason
 
 
 def mlp_model_unsupported_reason(model: OnPolicyAlgorithm) -> str | None:
