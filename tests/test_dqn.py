@@ -61,10 +61,15 @@ def test_fast_update_matches_autograd_update_with_weights():
     th.testing.assert_close(tds[0][1], tds[1][1])
 
 
-@pytest.mark.parametrize(("n_envs", "n_batches"), [(3, 4), (3, 1), (1, 4), (1, 1)])
-def test_batched_sampling_equals_stock_samples(n_envs: int, n_batches: int):
+@pytest.mark.parametrize(("n_envs", "n_batches", "strided"), [(3, 4, False), (3, 1, False), (1, 4, False), (1, 1, False), (3, 2, True)])
+def test_batched_sampling_equals_stock_samples(n_envs: int, n_batches: int, strided: bool):
     ours, _ = _pair(n_envs=n_envs, steps=300)
     buffer = ours.replay_buffer
+    if strided:  # storage that is a strided view (ours then indexes it as stock does instead of reshaping it)
+        wide = np.zeros((buffer.buffer_size, 2 * n_envs, *buffer.obs_shape), dtype=buffer.observations.dtype)
+        wide[:, ::2] = buffer.observations
+        buffer.observations = wide[:, ::2]
+        assert not buffer.observations.flags.c_contiguous
     np.random.seed(5)
     stock = [buffer.sample(16) for _ in range(n_batches)]
     stock_next_draw = np.random.rand()

@@ -110,7 +110,7 @@ class FastOffPolicyCollection(FastTrainingMode, OffPolicyAlgorithm):
             self._update_current_progress_remaining(self.num_timesteps, self._total_timesteps)
             self._on_step()
 
-            for idx in np.flatnonzero(dones) if dones.any() else ():
+            for idx in np.flatnonzero(dones) if np.count_nonzero(dones) else ():  # count_nonzero: no Python frame, unlike .any()
                 episodes += 1
                 self._episode_num += 1
                 if action_noise is not None:

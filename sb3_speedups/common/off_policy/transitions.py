@@ -120,7 +120,7 @@ def store_transition(
     else:
         next_obs, original_reward = vec_normalize.get_original_obs(), vec_normalize.get_original_reward()
         original_next_obs = next_obs
-    if dones.any():
+    if np.count_nonzero(dones):
         finished = [int(i) for i in np.flatnonzero(dones) if infos[i].get("terminal_observation") is not None]
         if finished:
             next_obs = _with_terminal_observations(next_obs, finished, infos, vec_normalize)

@@ -92,19 +92,32 @@ def gather(buffer: ReplayBuffer, draw: IndexDraw, env: VecNormalize | None = Non
     :param env: the ``VecNormalize`` wrapper to normalise with, if any
     """
     b, e = draw
+    n_envs = buffer.n_envs
+    # One flat row index per transition: ``take`` on [positions * envs, ...] views of the storage reads the same
+    # elements as stock's two-array fancy indexing, for a fraction of its per-call cost.
+    rows = b * n_envs + e if n_envs > 1 else b
     if buffer.optimize_memory_usage:
-        next_obs = buffer.observations[(b + 1) % buffer.buffer_size, e]
+        next_rows = (b + 1) % buffer.buffer_size
+        next_obs = _take(buffer.observations, next_rows * n_envs + e if n_envs > 1 else next_rows)
     else:
-        next_obs = buffer.next_observations[b, e]
-    obs, rewards = buffer.observations[b, e], buffer.rewards[b, e].reshape(-1, 1)
+        next_obs = _take(buffer.next_observations, rows)
+    obs, rewards = _take(buffer.observations, rows), _take(buffer.rewards, rows).reshape(-1, 1)
     if env is not None:
         obs, next_obs = buffer._normalize_obs(obs, env), buffer._normalize_obs(next_obs, env)
         rewards = buffer._normalize_reward(rewards, env)
-    data = (obs, buffer.actions[b, e], next_obs, (buffer.dones[b, e] * (1 - buffer.timeouts[b, e])).reshape(-1, 1), rewards)
+    dones = _take(buffer.dones, rows) * (1 - _take(buffer.timeouts, rows))
+    data = (obs, _take(buffer.actions, rows), next_obs, dones.reshape(-1, 1), rewards)
     if buffer.device.type == "cpu":
-        # fancy indexing made fresh arrays: wrap them instead of copying them again (same dtypes and values)
+        # take made fresh arrays: wrap them instead of copying them again (same dtypes and values)
         return ReplayBufferSamples(*(th.from_numpy(x) for x in data))  # type: ignore[arg-type]
     return ReplayBufferSamples(*(buffer.to_torch(x) for x in data))  # type: ignore[arg-type]
+
+
+def _take(storage: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """:return: ``storage[b, e]`` for flat rows ``b * n_envs + e`` of a ``[positions, envs, ...]`` storage array"""
+    if not storage.flags.c_contiguous:  # a reshape would copy the whole storage: index it as stock does
+        return storage[rows // storage.shape[1], rows % storage.shape[1]]
+    return storage.reshape(-1, *storage.shape[2:]).take(rows, axis=0)
 
 
 def _concat(samples: list[ReplayBufferSamples]) -> ReplayBufferSamples:
