@@ -11,9 +11,11 @@ from gymnasium import spaces
 from sb3_contrib.common.recurrent.buffers import RecurrentRolloutBuffer
 from sb3_contrib.common.recurrent.policies import RecurrentActorCriticPolicy as StockPolicy
 from sb3_contrib.common.recurrent.type_aliases import RNNStates
+from stable_baselines3.common.env_util import make_vec_env
 from torch import nn
 
 import sb3_speedups.envs  # noqa: F401  (registers DelayedRecall-v0)
+from sb3_speedups.envs import DelayedRecallEnv
 from sb3_speedups import RecurrentPPO
 from sb3_speedups.ppo_recurrent.buffers import FastRecurrentRolloutBuffer, padded_positions
 from sb3_speedups.ppo_recurrent.collection import FrozenRecurrentActor, rnn_step
@@ -110,6 +112,20 @@ def test_delayed_recall_chance_for_random_and_solvable_signal() -> None:
         assert obs[1] == (1.0 if t == 2 else 0.0)
     _, reward, terminated, _, _ = env.step(cue)
     assert reward == 1.0 and terminated
+
+
+def test_delayed_recall_renders_rgb_arrays_as_make_vec_env_asks() -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "render_mode not in render_modes" warning
+        env = make_vec_env("DelayedRecall-v0", n_envs=1, seed=0, env_kwargs=dict(delay=2))
+        obs = env.reset()
+        image = env.get_images()[0]
+    assert image.shape == (1, 2, 3) and image.dtype == np.uint8
+    assert list(image[0, :, 0]) == [255 if obs[0, 0] > 0 else 0, 128]
+    with pytest.raises(ValueError, match="render_mode"):
+        DelayedRecallEnv(render_mode="human")
 
 
 @pytest.mark.slow
