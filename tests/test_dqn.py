@@ -61,7 +61,9 @@ def test_fast_update_matches_autograd_update_with_weights():
     th.testing.assert_close(tds[0][1], tds[1][1])
 
 
-@pytest.mark.parametrize(("n_envs", "n_batches", "strided"), [(3, 4, False), (3, 1, False), (1, 4, False), (1, 1, False), (3, 2, True)])
+@pytest.mark.parametrize(
+    ("n_envs", "n_batches", "strided"), [(3, 4, False), (3, 1, False), (1, 4, False), (1, 1, False), (3, 2, True)]
+)
 def test_batched_sampling_equals_stock_samples(n_envs: int, n_batches: int, strided: bool):
     ours, _ = _pair(n_envs=n_envs, steps=300)
     buffer = ours.replay_buffer

@@ -30,7 +30,7 @@ from sb3_speedups.common.acting.actors import FrozenActorCritic, ModuleActorCrit
 from sb3_speedups.common.nn.heads import make_head
 from sb3_speedups.common.nn.optim import flat_optimizer_unsupported_reason
 from sb3_speedups.common.on_policy.fast_paths import mlp_model_unsupported_reason
-from sb3_speedups.common.torch_utils import apply_num_threads
+from sb3_speedups.common.fast_model import FastModel
 from sb3_speedups.common.training_mode import FastTrainingMode
 from sb3_speedups.ppo.buffers import FastRolloutBase, install_fast_rollout_buffer
 from sb3_speedups.ppo.collection import collect_rollout
@@ -67,7 +67,7 @@ class _Speedups:
     views: _RolloutViews | None = None
 
 
-class A2C(FastTrainingMode, stable_baselines3.A2C):
+class A2C(FastModel, FastTrainingMode, stable_baselines3.A2C):
     """
     Advantage Actor Critic, a drop-in for :class:`stable_baselines3.A2C` (same arguments, ``learn``, ``predict``,
     saved files); see :class:`stable_baselines3.A2C` for every argument not listed here.
@@ -97,21 +97,12 @@ class A2C(FastTrainingMode, stable_baselines3.A2C):
         if _init_setup_model:
             self._setup_model()
 
-    def _setup_model(self) -> None:
-        apply_num_threads(self.num_threads)
-        super()._setup_model()
+    def _after_stock_setup(self) -> None:
         install_fast_rollout_buffer(self)
-        self._speedups = None
-
-    def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "_speedups"]
 
     # ----- speed-only state ---------------------------------------------------------------------------------------
 
-    def fast_path_unsupported_reason(self) -> str | None:
-        """:return: why the hand-derived update cannot run this model (so the autograd one does), or ``None``"""
-        if not self.fast_update:
-            return "fast_update=False"
+    def _unsupported_reason(self) -> str | None:
         reason = mlp_model_unsupported_reason(self)
         return reason or flat_optimizer_unsupported_reason(self.policy.optimizer, list(self.policy.parameters()))
 

@@ -34,6 +34,7 @@ from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
 from sb3_speedups.common.acting.actors import ParameterMirror
 from sb3_speedups.common.acting.torch_mlp import TorchMlp
+from sb3_speedups.common.fast_model import FastModel
 from sb3_speedups.common.off_policy.collection import FastOffPolicyCollection
 from sb3_speedups.common.nn.blocked import BlockedMlpForward, forward_in_blocks
 from sb3_speedups.dqn.update import AutogradQUpdate, HandDerivedQUpdate, huber_, q_mlp_unsupported_reason
@@ -46,7 +47,6 @@ from sb3_speedups.common.replay.sampling import (
     sample_minibatches,
 )
 from sb3_speedups.common.torch_utils import (
-    apply_num_threads,
     num_threads_during,
     update_num_threads,
 )
@@ -72,7 +72,7 @@ class _Speedups:
     target_forward: BlockedMlpForward | None
 
 
-class DQN(FastOffPolicyCollection, stable_baselines3.DQN):
+class DQN(FastModel, FastOffPolicyCollection, stable_baselines3.DQN):
     """
     Deep Q-Network, a drop-in for :class:`stable_baselines3.DQN` (same arguments, ``learn``, ``predict``, saved
     files); see :class:`stable_baselines3.DQN` for every argument not listed here. ``policy_kwargs`` may hold
@@ -141,7 +141,6 @@ class DQN(FastOffPolicyCollection, stable_baselines3.DQN):
             self._setup_model()
 
     def _setup_model(self) -> None:
-        apply_num_threads(self.num_threads)
         n_steps = self.n_steps
         if isinstance(self.replay_buffer_class, type) and issubclass(self.replay_buffer_class, PrioritizedReplayBuffer):
             self.n_steps = 1  # the buffer has them (see __init__); SB3 would warn that they are ignored
@@ -158,17 +157,10 @@ class DQN(FastOffPolicyCollection, stable_baselines3.DQN):
                 f"combined_replay=True needs the stock ReplayBuffer, not {type(self.replay_buffer).__name__}: "
                 "drop replay_buffer_class or combined_replay"
             )
-        self._speedups = None
-
-    def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "_speedups"]
 
     # ----- speed-only state ---------------------------------------------------------------------------------------
 
-    def fast_path_unsupported_reason(self) -> str | None:
-        """:return: why the hand-derived update cannot run this model (so the autograd one does), or ``None``"""
-        if not self.fast_update:
-            return "fast_update=False"
+    def _unsupported_reason(self) -> str | None:
         return q_mlp_unsupported_reason(self.policy)
 
     def _ensure_speedups(self, for_acting: bool = False) -> _Speedups:

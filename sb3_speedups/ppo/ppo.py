@@ -39,7 +39,7 @@ from sb3_speedups.common.nn.heads import make_head
 from sb3_speedups.common.nn.optim import adam_unsupported_reason
 from sb3_speedups.common.on_policy.fast_paths import mlp_model_unsupported_reason
 from sb3_speedups.common.on_policy.ppo_loss import STATS, PPOLossConfig, kl_stops, record_train_stats, start_train
-from sb3_speedups.common.torch_utils import apply_num_threads
+from sb3_speedups.common.fast_model import FastModel
 from sb3_speedups.common.training_mode import FastTrainingMode
 from sb3_speedups.errors import UserValueError
 from sb3_speedups.ppo.buffers import FastRolloutBase, install_fast_rollout_buffer
@@ -67,7 +67,7 @@ class _Speedups:
     graphs: GraphedEpochs | None = None
 
 
-class PPO(FastTrainingMode, stable_baselines3.PPO):
+class PPO(FastModel, FastTrainingMode, stable_baselines3.PPO):
     """
     Proximal Policy Optimization, a drop-in for :class:`stable_baselines3.PPO` (same arguments, ``learn``,
     ``predict``, saved files); see :class:`stable_baselines3.PPO` for every argument not listed here.
@@ -143,22 +143,12 @@ class PPO(FastTrainingMode, stable_baselines3.PPO):
         if _init_setup_model:
             self._setup_model()
 
-    def _setup_model(self) -> None:
-        self._close_speedups()
-        apply_num_threads(self.num_threads)
-        super()._setup_model()
+    def _after_stock_setup(self) -> None:
         install_fast_rollout_buffer(self)
-        self._speedups = None
-
-    def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "_speedups"]
 
     # ----- speed-only state ---------------------------------------------------------------------------------------
 
-    def fast_path_unsupported_reason(self) -> str | None:
-        """:return: why the hand-derived update cannot run this model (so the autograd one does), or ``None``"""
-        if not self.fast_update:
-            return "fast_update=False"
+    def _unsupported_reason(self) -> str | None:
         reason = mlp_model_unsupported_reason(self)
         return reason or adam_unsupported_reason(self.policy.optimizer, list(self.policy.parameters()))
 

@@ -16,7 +16,7 @@ Saved files are sb3-contrib's (the speed-only state is not saved): each package 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import sb3_contrib
 from gymnasium import spaces
@@ -31,7 +31,7 @@ from sb3_speedups.common.acting.actors import FrozenActorCritic
 from sb3_speedups.common.nn.heads.masked import make_masked_head
 from sb3_speedups.common.nn.optim import adam_unsupported_reason
 from sb3_speedups.common.nn.actor_critic import mlp_unsupported_reason
-from sb3_speedups.common.torch_utils import apply_num_threads
+from sb3_speedups.common.fast_model import FastModel
 from sb3_speedups.common.training_mode import FastTrainingMode
 from sb3_speedups.errors import UserValueError
 from sb3_speedups.ppo.collection import collect_rollout
@@ -43,7 +43,7 @@ from sb3_speedups.ppo_mask.buffers import FastMaskableRolloutBuffer
 from sb3_speedups.ppo_mask.masks import masks_reader
 
 
-class MaskablePPO(FastTrainingMode, sb3_contrib.MaskablePPO):
+class MaskablePPO(FastModel, FastTrainingMode, sb3_contrib.MaskablePPO):
     """
     PPO with invalid-action masking, a drop-in for :class:`sb3_contrib.MaskablePPO` (same arguments, ``learn`` with
     ``use_masking``, ``predict`` with ``action_masks``, saved files); see :class:`sb3_contrib.MaskablePPO` for every
@@ -98,10 +98,10 @@ class MaskablePPO(FastTrainingMode, sb3_contrib.MaskablePPO):
         if _init_setup_model:
             self._setup_model()
 
-    def _setup_model(self) -> None:
-        self._close_speedups()
-        apply_num_threads(self.num_threads)
-        super()._setup_model()
+    #: speed-only attributes, never saved (the last fallback reason printed is one)
+    speed_only_attributes: ClassVar[tuple[str, ...]] = ("_speedups", "_fallback_reason")
+
+    def _after_stock_setup(self) -> None:
         if self.rollout_buffer_class is MaskableRolloutBuffer:
             # The stock class name stays in rollout_buffer_class, so saved files load where this package is absent.
             self.rollout_buffer = FastMaskableRolloutBuffer(
@@ -114,17 +114,11 @@ class MaskablePPO(FastTrainingMode, sb3_contrib.MaskablePPO):
                 n_envs=self.n_envs,
                 **self.rollout_buffer_kwargs,
             )
-        self._speedups = None
-
-    def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "_speedups", "_fallback_reason"]
 
     # ----- speed-only state ---------------------------------------------------------------------------------------
 
-    def fast_path_unsupported_reason(self) -> str | None:
+    def _unsupported_reason(self) -> str | None:
         """:return: why this model runs sb3-contrib's own collection and update, or ``None`` when it runs ours"""
-        if not self.fast_update:
-            return "fast_update=False"
         if not isinstance(self.rollout_buffer, FastMaskableRolloutBuffer):
             return f"rollout buffer {type(self.rollout_buffer).__name__} is not the default MaskableRolloutBuffer"
         space = self.observation_space

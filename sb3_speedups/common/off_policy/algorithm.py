@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from sb3_speedups.common.fast_model import FastModel
 from sb3_speedups.common.acting.off_policy import FrozenActorSampling, FrozenOffPolicyActor
 from sb3_speedups.common.off_policy.collection import FastOffPolicyCollection
 from sb3_speedups.common.off_policy.training import check_tau, largest_linear
-from sb3_speedups.common.torch_utils import apply_num_threads
 
 
 @dataclass
@@ -29,7 +29,7 @@ class OffPolicySpeedups:
     actor: FrozenOffPolicyActor | None
 
 
-class FastOffPolicyAlgorithm(FrozenActorSampling, FastOffPolicyCollection):
+class FastOffPolicyAlgorithm(FastModel, FrozenActorSampling, FastOffPolicyCollection):
     """
     Mixin, first among the bases of our actor-critic off-policy classes (``class TD3(FastOffPolicyAlgorithm,
     stable_baselines3.TD3)``).
@@ -63,24 +63,6 @@ class FastOffPolicyAlgorithm(FrozenActorSampling, FastOffPolicyCollection):
     def _check_arguments(self, kwargs: dict[str, Any]) -> None:
         """Refuse bad arguments in one line before stock's constructor runs (stock checks fewer)."""
         check_tau(kwargs.get("tau", 0.005))
-
-    def _setup_model(self) -> None:
-        apply_num_threads(self.num_threads)
-        super()._setup_model()
-        self._speedups = None
-
-    def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "_speedups"]
-
-    def fast_path_unsupported_reason(self) -> str | None:
-        """:return: why the hand-derived update cannot run this model (so the autograd one does), or ``None``"""
-        if not self.fast_update:
-            return "fast_update=False"
-        return self._unsupported_reason()
-
-    def _unsupported_reason(self) -> str | None:
-        """:return: why the algorithm's hand-derived update cannot run this policy, or ``None``"""
-        raise NotImplementedError
 
     def _make_updater(self, reason: str | None) -> Any:
         """:return: the hand-derived update when ``reason`` is ``None``, else the autograd one"""

@@ -110,7 +110,8 @@ class FastOffPolicyCollection(FastTrainingMode, OffPolicyAlgorithm):
             self._update_current_progress_remaining(self.num_timesteps, self._total_timesteps)
             self._on_step()
 
-            for idx in np.flatnonzero(dones) if np.count_nonzero(dones) else ():  # count_nonzero: no Python frame, unlike .any()
+            # count_nonzero, unlike .any(), runs without a Python frame
+            for idx in np.flatnonzero(dones) if np.count_nonzero(dones) else ():
                 episodes += 1
                 self._episode_num += 1
                 if action_noise is not None:

@@ -10,7 +10,7 @@ the data gathered and converted once for all of them.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 import torch as th
@@ -103,7 +103,10 @@ def gather(buffer: ReplayBuffer, draw: IndexDraw, env: VecNormalize | None = Non
         next_obs = _take(buffer.next_observations, rows)
     obs, rewards = _take(buffer.observations, rows), _take(buffer.rewards, rows).reshape(-1, 1)
     if env is not None:
-        obs, next_obs = buffer._normalize_obs(obs, env), buffer._normalize_obs(next_obs, env)
+        obs, next_obs = (
+            cast(np.ndarray, buffer._normalize_obs(obs, env)),
+            cast(np.ndarray, buffer._normalize_obs(next_obs, env)),
+        )
         rewards = buffer._normalize_reward(rewards, env)
     dones = _take(buffer.dones, rows) * (1 - _take(buffer.timeouts, rows))
     data = (obs, _take(buffer.actions, rows), next_obs, dones.reshape(-1, 1), rewards)
