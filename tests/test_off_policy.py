@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import stable_baselines3
 import torch as th
+from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.distributions import SquashedDiagGaussianDistribution
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.noise import NormalActionNoise
@@ -155,6 +156,35 @@ def test_frozen_actor_acts_as_stock_bit_for_bit(ours_cls: type, stock_cls: type,
     np.testing.assert_array_equal(ours.actions[:80], stock.actions[:80])
     np.testing.assert_array_equal(ours.observations[:80], stock.observations[:80])
     assert np.abs(stock.actions[20:80]).max() > 0
+
+
+class _FrozenActorIsCurrent(BaseCallback):
+    """Checks at every collected step that the frozen actor holds the actor's current parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checked = 0
+
+    def _on_step(self) -> bool:
+        speed = self.model._speedups
+        if speed is not None and speed.actor is not None:
+            params = list(self.model.actor.parameters())
+            for copy_, param in zip(speed.actor.mirror.copies, params, strict=True):
+                assert th.equal(copy_, param.detach()), "the frozen actor acts with stale parameters"
+            self.checked += 1
+        return True
+
+
+@pytest.mark.parametrize("cls", [SAC, TD3])
+def test_frozen_actor_acts_with_the_parameters_of_the_last_train(cls: type) -> None:
+    model = cls("MlpPolicy", "Pendulum-v1", learning_starts=10, policy_kwargs=dict(net_arch=[16]), seed=0)
+    check = _FrozenActorIsCurrent()
+    model.learn(40, callback=check)
+    assert model._n_updates > 20 and check.checked >= 30
+    # parameters set between learn() calls are acted with too
+    params = {k: th.zeros_like(v) for k, v in model.get_parameters()["policy"].items()}
+    model.set_parameters({"policy": params}, exact_match=False)
+    model.learn(5, callback=check, reset_num_timesteps=False)
 
 
 @pytest.mark.parametrize(("ours_cls", "stock_cls"), [(SAC, stable_baselines3.SAC), (TD3, stable_baselines3.TD3)])

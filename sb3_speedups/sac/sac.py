@@ -92,8 +92,6 @@ class SAC(FastOffPolicyAlgorithm, stable_baselines3.SAC):
                     for k in range(batches.rewards.shape[0]):
                         updater.step(batches, k, (first + k) % interval == 0, self.tau, losses)
         self._n_updates += gradient_steps
-        if speed.actor is not None:
-            speed.actor.sync()
         self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
         self.logger.record("train/ent_coef", mean_of(losses.ent_coef))
         self.logger.record("train/actor_loss", mean_of(losses.actor))

@@ -62,8 +62,6 @@ class TD3(FastOffPolicyAlgorithm, stable_baselines3.TD3):
                     for k in range(batches.rewards.shape[0]):
                         self._n_updates += 1
                         updater.step(batches, k, self._n_updates % self.policy_delay == 0, *noise, self.tau, losses)
-        if speed.actor is not None:
-            speed.actor.sync()
         self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
         if losses.actor:
             self.logger.record("train/actor_loss", mean_of(losses.actor))

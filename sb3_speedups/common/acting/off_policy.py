@@ -1,6 +1,6 @@
 """
-Frozen plain-tensor copies of SAC's and TD3's (DDPG's) MLP actors for collection, synced after every ``train()``,
-and the ``_sample_action`` that acts from them.
+Frozen plain-tensor copies of SAC's and TD3's (DDPG's) MLP actors for collection, synced before every collection
+(after a ``train()``, a load or a ``set_parameters``), and the ``_sample_action`` that acts from them.
 
 They run torch's own kernels on the copies (:class:`~sb3_speedups.common.acting.torch_mlp.TorchMlp`) and draw SAC's
 noise from torch's global RNG as ``torch.distributions.Normal.rsample`` does, so the actions are stock's bit for bit
@@ -59,15 +59,15 @@ class FrozenOffPolicyActor:
         latent = self.nets[0](obs)
         mean = self.nets[1](latent)
         log_std = th.clamp(self.nets[2](latent), _LOG_STD_MIN, _LOG_STD_MAX)
-        std = th.ones_like(mean) * log_std.exp()
+        std = log_std.exp()  # stock multiplies by ones first: exact, so the same numbers
         return th.tanh(mean + th.empty_like(mean).normal_() * std)
 
 
 class FrozenActorSampling(OffPolicyAlgorithm):
     """
     Mixin for our SAC and TD3: ``_sample_action`` acts from the frozen copy in ``self._speedups.actor`` (``None``:
-    stock's acting). The algorithm builds it in ``_ensure_speedups()`` and syncs it after each ``train()``; it is
-    synced here before each collection too.
+    stock's acting). The algorithm builds it in ``_ensure_speedups()``; it is synced here before each collection,
+    the only place it acts.
     """
 
     _speedups: Any
@@ -80,9 +80,13 @@ class FrozenActorSampling(OffPolicyAlgorithm):
         return None if self._speedups is None else self._speedups.actor
 
     def collect_rollouts(self, *args: Any, **kwargs: Any) -> Any:
-        actor = self._ensure_speedups().actor
-        if actor is not None:
-            actor.sync()  # the parameters may have been loaded or set since the last train()
+        speed = self._speedups
+        if speed is None or speed.updater.policy is not self.policy:
+            # Acting needs only the current policy's copy: its mirror follows moved parameters by itself, and a
+            # stale optimizer state is train()'s to check (a full check per env step costs ~20 us).
+            speed = self._ensure_speedups()
+        if speed.actor is not None:
+            speed.actor.sync()  # trained, loaded or set since the last collection
         return super().collect_rollouts(*args, **kwargs)
 
     def _sample_action(
