@@ -30,7 +30,6 @@ class DelayedRecallEnv(gym.Env[np.ndarray, np.int64]):
             raise ValueError(f"render_mode={render_mode!r} is not supported: use None or 'rgb_array'")
         self.delay = delay
         self.render_mode = render_mode
-        self._last_obs = np.zeros(2, dtype=np.float32)
         self.observation_space = spaces.Box(-1.0, 1.0, shape=(2,), dtype=np.float32)
         self.action_space: spaces.Discrete = spaces.Discrete(2)
         self._cue = 0
@@ -40,22 +39,23 @@ class DelayedRecallEnv(gym.Env[np.ndarray, np.int64]):
         super().reset(seed=seed)
         self._cue = int(self.np_random.integers(2))
         self._t = 0
-        self._last_obs = np.array([2.0 * self._cue - 1.0, 0.0], dtype=np.float32)
-        return self._last_obs.copy(), {}
+        return self._observation(), {}
 
     def step(self, action: np.int64) -> tuple[np.ndarray, float, bool, bool, dict]:
         self._t += 1
         if self._t <= self.delay:
-            query = 1.0 if self._t == self.delay else 0.0
-            self._last_obs = np.array([0.0, query], dtype=np.float32)
-            return self._last_obs.copy(), 0.0, False, False, {}
+            return self._observation(), 0.0, False, False, {}
         reward = 1.0 if int(action) == self._cue else -1.0
-        self._last_obs = np.zeros(2, dtype=np.float32)
-        return self._last_obs.copy(), reward, True, False, {}
+        return self._observation(), reward, True, False, {}
+
+    def _observation(self) -> np.ndarray:
+        """:return: ``[cue, query]`` after ``self._t`` steps: the cue first, the query at the delay, else zeros"""
+        cue = 2.0 * self._cue - 1.0 if self._t == 0 else 0.0
+        return np.array([cue, 1.0 if self._t == self.delay else 0.0], dtype=np.float32)
 
     def render(self) -> np.ndarray | None:
         """:return: with ``render_mode="rgb_array"``, the last observation as a ``[1, 2, 3]`` uint8 image, else ``None``"""
         if self.render_mode != "rgb_array":
             return None
-        grey = np.round((self._last_obs + 1.0) * 127.5).astype(np.uint8)
+        grey = np.round((self._observation() + 1.0) * 127.5).astype(np.uint8)
         return np.repeat(grey[None, :, None], 3, axis=2)

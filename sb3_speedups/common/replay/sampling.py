@@ -93,12 +93,14 @@ def gather(buffer: ReplayBuffer, draw: IndexDraw, env: VecNormalize | None = Non
     """
     b, e = draw
     n_envs = buffer.n_envs
-    # One flat row index per transition: ``take`` on [positions * envs, ...] views of the storage reads the same
-    # elements as stock's two-array fancy indexing, for a fraction of its per-call cost.
-    rows = b * n_envs + e if n_envs > 1 else b
+
+    def flat(positions: np.ndarray) -> np.ndarray:
+        # one row index per transition into [positions * envs, ...] views of the storage (see _take)
+        return positions * n_envs + e if n_envs > 1 else positions
+
+    rows = flat(b)
     if buffer.optimize_memory_usage:
-        next_rows = (b + 1) % buffer.buffer_size
-        next_obs = _take(buffer.observations, next_rows * n_envs + e if n_envs > 1 else next_rows)
+        next_obs = _take(buffer.observations, flat((b + 1) % buffer.buffer_size))
     else:
         next_obs = _take(buffer.next_observations, rows)
     obs, rewards = _take(buffer.observations, rows), _take(buffer.rewards, rows).reshape(-1, 1)
@@ -117,7 +119,10 @@ def gather(buffer: ReplayBuffer, draw: IndexDraw, env: VecNormalize | None = Non
 
 
 def _take(storage: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """:return: ``storage[b, e]`` for flat rows ``b * n_envs + e`` of a ``[positions, envs, ...]`` storage array"""
+    """
+    :return: ``storage[b, e]`` for flat rows ``b * n_envs + e`` of a ``[positions, envs, ...]`` storage array: the
+        same elements as stock's two-array fancy indexing, for a fraction of its per-call cost
+    """
     if not storage.flags.c_contiguous:  # a reshape would copy the whole storage: index it as stock does
         return storage[rows // storage.shape[1], rows % storage.shape[1]]
     return storage.reshape(-1, *storage.shape[2:]).take(rows, axis=0)
