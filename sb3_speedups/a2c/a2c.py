@@ -31,7 +31,6 @@ from sb3_speedups.common.nn.heads import make_head
 from sb3_speedups.common.nn.optim import flat_optimizer_unsupported_reason
 from sb3_speedups.common.on_policy.fast_paths import mlp_model_unsupported_reason
 from sb3_speedups.common.fast_model import FastModel
-from sb3_speedups.common.training_mode import FastTrainingMode
 from sb3_speedups.ppo.buffers import FastRolloutBase, install_fast_rollout_buffer
 from sb3_speedups.ppo.collection import collect_rollout
 
@@ -67,7 +66,7 @@ class _Speedups:
     views: _RolloutViews | None = None
 
 
-class A2C(FastModel, FastTrainingMode, stable_baselines3.A2C):
+class A2C(FastModel, stable_baselines3.A2C):
     """
     Advantage Actor Critic, a drop-in for :class:`stable_baselines3.A2C` (same arguments, ``learn``, ``predict``,
     saved files); see :class:`stable_baselines3.A2C` for every argument not listed here.

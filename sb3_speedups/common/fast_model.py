@@ -1,11 +1,12 @@
 """
 What every drop-in algorithm of this package does around its speed-only state, in one place: the torch thread
 setting at setup, the ``_speedups`` attribute that is rebuilt when needed and never saved, and the ``fast_update``
-switch in front of the algorithm's own reasons for the autograd fallback.
+switch in front of the algorithm's own reasons for the autograd fallback; and, from
+:class:`~sb3_speedups.common.training_mode.FastTrainingMode`, the kept training-mode switch.
 
 Use it first among the bases of a stock algorithm, before the other mixins::
 
-    class A2C(FastModel, FastTrainingMode, stable_baselines3.A2C): ...
+    class A2C(FastModel, stable_baselines3.A2C): ...
 
 The subclass sets ``num_threads`` and ``fast_update`` in ``__init__``, implements :meth:`FastModel._unsupported_reason`
 and may hook :meth:`FastModel._close_speedups` (before stock's setup) and :meth:`FastModel._after_stock_setup` (after it).
@@ -15,12 +16,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from stable_baselines3.common.base_class import BaseAlgorithm
-
 from sb3_speedups.common.torch_utils import apply_num_threads
+from sb3_speedups.common.training_mode import FastTrainingMode
 
 
-class FastModel(BaseAlgorithm):
+class FastModel(FastTrainingMode):
     """Mixin: setup, saving and the fast-path switch shared by the drop-in algorithms (see the module docstring)."""
 
     #: torch CPU threads (``None``: keep a value the user set, else the package default)

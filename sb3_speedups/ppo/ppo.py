@@ -40,7 +40,6 @@ from sb3_speedups.common.nn.optim import adam_unsupported_reason
 from sb3_speedups.common.on_policy.fast_paths import mlp_model_unsupported_reason
 from sb3_speedups.common.on_policy.ppo_loss import STATS, PPOLossConfig, kl_stops, record_train_stats, start_train
 from sb3_speedups.common.fast_model import FastModel
-from sb3_speedups.common.training_mode import FastTrainingMode
 from sb3_speedups.errors import UserValueError
 from sb3_speedups.ppo.buffers import FastRolloutBase, install_fast_rollout_buffer
 from sb3_speedups.ppo.collection import collect_rollout, collect_rollout_double_buffered, double_buffer_unsupported_reason
@@ -67,7 +66,7 @@ class _Speedups:
     graphs: GraphedEpochs | None = None
 
 
-class PPO(FastModel, FastTrainingMode, stable_baselines3.PPO):
+class PPO(FastModel, stable_baselines3.PPO):
     """
     Proximal Policy Optimization, a drop-in for :class:`stable_baselines3.PPO` (same arguments, ``learn``,
     ``predict``, saved files); see :class:`stable_baselines3.PPO` for every argument not listed here.

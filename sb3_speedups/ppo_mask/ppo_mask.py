@@ -32,7 +32,6 @@ from sb3_speedups.common.nn.heads.masked import make_masked_head
 from sb3_speedups.common.nn.optim import adam_unsupported_reason
 from sb3_speedups.common.nn.actor_critic import mlp_unsupported_reason
 from sb3_speedups.common.fast_model import FastModel
-from sb3_speedups.common.training_mode import FastTrainingMode
 from sb3_speedups.errors import UserValueError
 from sb3_speedups.ppo.collection import collect_rollout
 from sb3_speedups.ppo.minibatches import MinibatchSampler
@@ -43,7 +42,7 @@ from sb3_speedups.ppo_mask.buffers import FastMaskableRolloutBuffer
 from sb3_speedups.ppo_mask.masks import masks_reader
 
 
-class MaskablePPO(FastModel, FastTrainingMode, sb3_contrib.MaskablePPO):
+class MaskablePPO(FastModel, sb3_contrib.MaskablePPO):
     """
     PPO with invalid-action masking, a drop-in for :class:`sb3_contrib.MaskablePPO` (same arguments, ``learn`` with
     ``use_masking``, ``predict`` with ``action_masks``, saved files); see :class:`sb3_contrib.MaskablePPO` for every
