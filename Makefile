@@ -15,13 +15,22 @@ $(VENV)/.installed-tests: $(VENV)/.installed
 	$(VENV)/bin/pip install -e ".[tests]"
 	touch $@
 
-.PHONY: install install-tests test train lint format type bench
+# The numerically sensitive tests (ours against stock, executors, saves, collection, recurrent), run again by `make
+# test-avx2` with ATen's and MKL's AVX2 code paths forced: on an AVX-512 Intel CPU that computes what AMD CPUs compute.
+NUMERIC_TESTS := tests/test_equivalence.py tests/test_mlp.py tests/test_inference.py tests/test_maths.py \
+	tests/test_optim.py tests/test_saves.py tests/test_off_policy_collection.py tests/test_off_policy.py \
+	tests/test_dqn.py tests/test_ppo_recurrent.py tests/test_gru.py
+
+.PHONY: install install-tests test test-avx2 train lint format type bench
 install: $(VENV)/.installed
 
 install-tests: $(VENV)/.installed-tests
 
 test: $(VENV)/.installed-tests
 	$(PY) -m pytest
+
+test-avx2: $(VENV)/.installed-tests
+	ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 $(PY) -m pytest $(NUMERIC_TESTS)
 
 train: $(VENV)/.installed
 	$(VENV)/bin/sb3-speedups train --algo ppo --env CartPole-v1 --seed 1

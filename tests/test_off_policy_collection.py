@@ -90,7 +90,13 @@ def learn_both(make_ours: Any, make_stock: Any, steps: int, callback: Any = None
     return out
 
 
-def assert_same_run(ours: BaseAlgorithm, stock: BaseAlgorithm, fields: tuple[str, ...] = REPLAY_FIELDS) -> None:
+def assert_same_run(
+    ours: BaseAlgorithm, stock: BaseAlgorithm, fields: tuple[str, ...] = REPLAY_FIELDS, param_atol: float = 0.0
+) -> None:
+    """
+    :param param_atol: 0 (``th.equal``) where both run stock's update (the same ops on the same shapes); for our own
+        update against stock's, the float32 tolerance of the comparison
+    """
     assert ours.num_timesteps == stock.num_timesteps
     assert ours._episode_num == stock._episode_num
     assert ours._n_updates == stock._n_updates
@@ -104,7 +110,7 @@ def assert_same_run(ours: BaseAlgorithm, stock: BaseAlgorithm, fields: tuple[str
     assert episodes[0] == episodes[1]
     ours_state, stock_state = ours.policy.state_dict(), stock.policy.state_dict()
     for key, value in stock_state.items():
-        assert th.equal(ours_state[key], value), key
+        th.testing.assert_close(ours_state[key], value, rtol=0, atol=param_atol, msg=key)
 
 
 @pytest.mark.parametrize("noise_kind", ["normal", "ou", None])
@@ -158,7 +164,9 @@ def test_a_callback_returning_false_stops_at_the_same_step(cls: type) -> None:
     ours, stock = (c("MlpPolicy", env(), **kwargs).learn(200, callback=_StopAt(17)) for c in (cls, stock_cls))
     assert ours.num_timesteps == stock.num_timesteps == 34
     assert ours.replay_buffer.pos == stock.replay_buffer.pos == 16  # the stopping step is not stored
-    assert_same_run(ours, stock)
+    # Our DQN's hand-derived update against stock's autograd one: 3 Adam steps at lr 1e-4 from float32 gradients that
+    # differ in the last bits (2e-9 here on an AMD EPYC, 0 on an Intel Xeon); a wrong term moves them by ~lr.
+    assert_same_run(ours, stock, param_atol=0.0 if cls is _FastTD3 else 1e-7)
 
 
 def episodic(cls: type) -> Any:
@@ -173,8 +181,14 @@ def test_episodic_train_freq_learns_as_stock(classes: tuple[type, type]) -> None
     ours_cls, stock_cls = classes
     (ours, ours_log), (stock, stock_log) = learn_both(lambda: episodic(ours_cls), lambda: episodic(stock_cls), 120)
     assert ours._n_updates > 0
-    assert_same_run(ours, stock)
-    assert ours_log.dumps == stock_log.dumps
+    if ours_cls is DQN:  # our update against stock's: float32 rounding of a few Adam steps, as above
+        assert_same_run(ours, stock, param_atol=1e-7)
+        assert [d.keys() for d in ours_log.dumps] == [d.keys() for d in stock_log.dumps]
+        for ours_dump, stock_dump in zip(ours_log.dumps, stock_log.dumps, strict=True):
+            assert ours_dump == pytest.approx(stock_dump, rel=1e-6)  # the logged loss: a mean of float32 terms
+    else:
+        assert_same_run(ours, stock)
+        assert ours_log.dumps == stock_log.dumps
 
 
 def test_vec_normalize_stores_original_observations_and_rewards_as_stock() -> None:
