@@ -2,8 +2,9 @@
 # Run COMMAND next to a two-node Ray cluster on this machine that talks over loopback only:
 #   scripts/ray_local_cluster.sh [--cpus-per-node N] COMMAND...
 # As root it enters new network, PID and mount namespaces (unshare) with only `lo` up, so Ray cannot use any other
-# address, and every Ray process ends with the command. In COMMAND, RAY_ADDRESS names the head and
-# RAY_LOCAL_CLUSTER_TMP the Ray temp dir. Example:
+# address, and every Ray process ends with the command. In COMMAND, RAY_ADDRESS names the head,
+# RAY_LOCAL_CLUSTER_TMP the Ray temp dir, and RAY_AUTH_MODE=token with RAY_AUTH_TOKEN_PATH the cluster's own token
+# (~/.ray/auth_token is not used). Example:
 #   scripts/ray_local_cluster.sh .venv/bin/python scripts/benchmark.py vec-env --kinds batched ray
 # Exit status: COMMAND's, or 3 when no namespace can be made.
 set -euo pipefail
@@ -27,6 +28,11 @@ PORT=6379
 COMMON=(--node-ip-address=127.0.0.1 --num-cpus="$CPUS" --object-store-memory=100000000 --disable-usage-stats)
 cleanup() { "$RAY" stop --force >/dev/null 2>&1 || true; rm -rf "$TMP"; }
 trap cleanup EXIT
+# Token authentication with a token of this cluster's own, set for every Ray process here: left unset, `ray start --head`
+# turns it on when it finds ~/.ray/auth_token (a local ray.init() writes one) but the second node does not.
+unset RAY_AUTH_TOKEN
+export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$TMP/auth_token
+(umask 077 && od -An -tx1 -N32 /dev/urandom | tr -d ' \n' >"$RAY_AUTH_TOKEN_PATH")
 "$RAY" start --head --port=$PORT --include-dashboard=false --temp-dir="$TMP" "${COMMON[@]}" >"$TMP/head.log" 2>&1 \
   || { cat "$TMP/head.log" >&2; exit 1; }
 "$RAY" start --address=127.0.0.1:$PORT "${COMMON[@]}" >"$TMP/node2.log" 2>&1 || { cat "$TMP/node2.log" >&2; exit 1; }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -73,6 +74,36 @@ def test_on_a_two_node_cluster(name: str, cluster_results: tuple[dict[str, list[
     outcomes, output = cluster_results
     assert name in outcomes, f"{name} did not run:\n{output}"
     assert set(outcomes[name]) == {"passed"}, f"{name}: {outcomes[name]}\n{output}"
+
+
+# One task pinned to each alive node; prints the node count and whether every node ran its task.
+ONE_TASK_PER_NODE = """
+import os, ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+nodes = sorted(node["NodeID"] for node in ray.nodes() if node["Alive"])
+where = ray.remote(lambda: ray.get_runtime_context().get_node_id())
+ran_on = ray.get([where.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote() for n in nodes])
+print(len(nodes), sorted(ran_on) == nodes)
+"""
+
+
+@pytest.mark.slow
+def test_cluster_ignores_the_token_in_the_users_home(tmp_path: Path) -> None:
+    """A local ``ray.init()`` (Ray >= 2.59) leaves ``~/.ray/auth_token``, which made the head turn token auth on and
+    the second node fail to join. Ray's own format: 64 hex digits, no newline."""
+    pytest.importorskip("ray")
+    problem = namespace_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text(secrets.token_hex(32))
+    env = {**subprocess_env(), "PYTHON": sys.executable, "HOME": str(tmp_path)}
+    for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(name, None)
+    cmd = [str(CLUSTER_SCRIPT), sys.executable, "-c", ONE_TASK_PER_NODE]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=240, check=False)
+    assert proc.stdout.split() == ["2", "True"], f"exit {proc.returncode}:\n{(proc.stdout + proc.stderr)[-5000:]}"
 
 
 @pytest.mark.parametrize(
