@@ -1,6 +1,8 @@
 """
-Prove that a refactor changes no number: train fixed-seed cases with two source trees and compare the parameters
-bit for bit.
+Prove that a refactor changes no number: train fixed-seed cases with two source trees (two commits) on one machine and
+compare the parameters bit for bit. Run both dumps on the same machine: bit-equality across machines or CPU kinds is
+not expected (the same code may round differently on AVX-512 and AVX2 code paths), so a dump is not a baseline for
+another machine.
 
 - ``python scripts/compare_params.py dump --tree DIR --out FILE.npz [--cases ...]``: train each case in a fresh
   subprocess that imports ``sb3_speedups`` from ``DIR``; save the policy's ``state_dict``, the optimizer's state
@@ -331,7 +333,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     dump_parser.add_argument("--out", type=Path, required=True, help="the .npz to write")
     dump_parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES), help=case_help)
 
-    compare_parser = commands.add_parser("compare", help="compare two dumps; exit code 0 iff bit-identical")
+    compare_parser = commands.add_parser(
+        "compare", help="compare two dumps made on this machine; exit code 0 iff bit-identical"
+    )
     compare_parser.add_argument("a", type=Path)
     compare_parser.add_argument("b", type=Path)
     compare_parser.add_argument("--cases", nargs="+", choices=list(CASES), help="cases to compare (default: all)")
@@ -339,7 +343,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run_parser = commands.add_parser("run", help="dump old (or reuse a baseline) and new, then compare")
     old = run_parser.add_mutually_exclusive_group(required=True)
     old.add_argument("--old", type=Path, help="source tree of the reference")
-    old.add_argument("--baseline", type=Path, help="a dump of the reference made earlier")
+    old.add_argument("--baseline", type=Path, help="a dump of the reference made earlier on this machine")
     run_parser.add_argument("--new", type=Path, required=True, help="source tree to check")
     run_parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES), help=case_help)
     run_parser.add_argument("--work-dir", type=Path, help="where to keep the dumps (default: a new temporary folder)")

@@ -8,9 +8,10 @@ PPO as in Stable-Baselines3, faster. What differs from stock, and why it is fast
   statistics on the device until the end, and updates with :class:`~sb3_speedups.ppo.update.HandDerivedPPOUpdate`
   (hand-derived gradients, flat buffers, fused Adam) for MLP policies, else with the autograd
   :class:`~sb3_speedups.ppo.update.AutogradPPOUpdate`; with ``split_update`` the critic's half of every minibatch
-  update runs beside the actor's in a forked helper process (:mod:`sb3_speedups.ppo.split_update`), and on a CUDA
-  device the epochs are replayed from a CUDA graph (:mod:`sb3_speedups.ppo.cuda_graphs`), both plugged into the
-  one epoch loop of ``train()`` (:class:`~sb3_speedups.ppo.update.TrainHooks`);
+  update runs beside the actor's in a forked helper process (:mod:`sb3_speedups.ppo.split_update`, plugged into the
+  one epoch loop of ``train()`` through :class:`~sb3_speedups.ppo.update.TrainHooks`), and on a CUDA device the
+  epochs are replayed from a CUDA graph (:class:`~sb3_speedups.ppo.cuda_graphs.GraphedEpochs`, through
+  ``_graphed_epochs``);
 - torch runs on one CPU thread unless the user chose otherwise (faster and steadier for small networks).
 
 The maths and the defaults are stock SB3's; new options (``recompute_advantages``, ``normalize_advantage="batch"``,

@@ -3,8 +3,9 @@ Frozen plain-tensor copies of SAC's and TD3's (DDPG's) MLP actors for collection
 (after a ``train()``, a load or a ``set_parameters``), and the ``_sample_action`` that acts from them.
 
 They run torch's own kernels on the copies (:class:`~sb3_speedups.common.acting.torch_mlp.TorchMlp`) and draw SAC's
-noise from torch's global RNG as ``torch.distributions.Normal.rsample`` does, so the actions are stock's bit for bit
-(a numpy forward would differ in the last bits, and could not draw torch's Gaussian noise). What they save is
+noise from torch's global RNG as ``torch.distributions.Normal.rsample`` does, so the actions are stock's: the same
+draws, the same operations on the same shapes as the actor module (a numpy forward would round differently, and could
+not draw torch's Gaussian noise). What they save is
 ``policy.predict``'s per-call overhead (checks, modes, module calls).
 """
 
