@@ -21,7 +21,7 @@ NUMERIC_TESTS := tests/test_equivalence.py tests/test_mlp.py tests/test_inferenc
 	tests/test_optim.py tests/test_saves.py tests/test_off_policy_collection.py tests/test_off_policy.py \
 	tests/test_dqn.py tests/test_ppo_recurrent.py tests/test_gru.py
 
-.PHONY: install install-tests test test-avx2 train lint format type bench
+.PHONY: install install-tests test test-avx2 compat train lint format type bench
 install: $(VENV)/.installed
 
 install-tests: $(VENV)/.installed-tests
@@ -31,6 +31,10 @@ test: $(VENV)/.installed-tests
 
 test-avx2: $(VENV)/.installed-tests
 	ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 $(PY) -m pytest $(NUMERIC_TESTS)
+
+# SB3's and sb3-contrib's own test suites (from their sdists) with every fast class of ours substituted
+compat: $(VENV)/.installed-tests
+	$(PY) -m tests.compat.run
 
 train: $(VENV)/.installed
 	$(VENV)/bin/sb3-speedups train --algo ppo --env CartPole-v1 --seed 1
