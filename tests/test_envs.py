@@ -35,6 +35,21 @@ def test_check_env_id_suggests_close_matches():
         check_env_id("no_such_pkg:Env-v0")
 
 
+@pytest.mark.parametrize("env_id", ["BreakoutNoFrameskip-v4", "ALE/Breakout-v5"])
+def test_atari_ids_resolve_as_in_the_rl_zoo_also_in_fresh_workers(env_id):
+    """ale-py registers its envs when imported: a fresh process (a spawned worker) must import it before gym.make."""
+    pytest.importorskip("ale_py")
+    check_env_id(env_id)
+    hyperparams = preprocess_hyperparams(
+        {"env_wrapper": "stable_baselines3.common.atari_wrappers.AtariWrapper", "frame_stack": 4}, 1
+    )
+    env = make_env(env_id, hyperparams, n_envs=2, seed=0, vec_env="subproc", vec_env_kwargs={"start_method": "spawn"})
+    try:
+        assert env.reset().shape == (2, 4, 84, 84)  # AtariWrapper's 84x84 grey frames, stacked, channels first
+    finally:
+        env.close()
+
+
 def test_make_env_applies_every_wrapper(tmp_path):
     hp = preprocess_hyperparams(
         {

@@ -36,6 +36,7 @@ class FastModel(FastTrainingMode):
         self._close_speedups()
         apply_num_threads(self.num_threads)
         super()._setup_model()  # type: ignore[safe-super]  # a mixin: the stock class after it implements it
+        apply_num_threads(self.num_threads, self.policy)  # type: ignore[attr-defined]  # by the network's shapes
         self._after_stock_setup()
         self._speedups = None
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch as th
+from torch import nn
 
 # torch's intra-op thread count when the package was imported: a later difference means the user chose one.
 _STARTUP_NUM_THREADS = th.get_num_threads()
@@ -30,20 +31,28 @@ def user_chose_num_threads() -> bool:
     return current != _STARTUP_NUM_THREADS and current != _package_set
 
 
-def apply_num_threads(num_threads: int | None) -> int:
+def has_convolutions(module: nn.Module) -> bool:
+    """:return: whether ``module`` holds a convolution (compute-bound work, unlike a small MLP's per-op overhead)"""
+    return any(isinstance(m, nn.modules.conv._ConvNd) for m in module.modules())
+
+
+def apply_num_threads(num_threads: int | None, network: nn.Module | None = None) -> int:
     """
-    Set torch's intra-op threads: ``num_threads`` when given, else :data:`DEFAULT_CPU_THREADS` unless the user
-    already chose a value.
+    Set torch's intra-op threads: ``num_threads`` when given, else, unless the user already chose a value, the
+    default for the work: torch's own (every core, as stock SB3 runs) for a network with convolutions, else
+    :data:`DEFAULT_CPU_THREADS` (small MLPs are overhead-bound).
 
     :param num_threads: explicit thread count, or ``None`` for the default
+    :param network: the policy, once built (``None``: not known yet, an MLP is assumed)
     :return: the thread count in effect
     """
     global _package_set
     if num_threads is not None and num_threads > 0:
         th.set_num_threads(num_threads)
     elif not user_chose_num_threads():
-        th.set_num_threads(DEFAULT_CPU_THREADS)
-        _package_set = DEFAULT_CPU_THREADS
+        default = _STARTUP_NUM_THREADS if network is not None and has_convolutions(network) else DEFAULT_CPU_THREADS
+        th.set_num_threads(default)
+        _package_set = default
     return th.get_num_threads()
 
 

@@ -76,6 +76,7 @@ class RecurrentPPO(sb3_contrib.RecurrentPPO):
         apply_num_threads(self.num_threads)
         self.policy_class = FAST_POLICIES.get(self.policy_class, self.policy_class)
         super()._setup_model()
+        apply_num_threads(self.num_threads, self.policy)  # by the network's shapes: convolutions get every core
         if type(self.rollout_buffer) is RecurrentRolloutBuffer:
             self.rollout_buffer = FastRecurrentRolloutBuffer(
                 self.n_steps,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,33 @@ VEC_ENV_CLASSES: dict[str, str] = {
 }
 
 
+# Packages that register their envs when imported (the RL Zoo imports them too), and how to install each.
+ENV_PACKAGES: dict[str, str] = {
+    "ale_py": "pip install 'sb3-speedups[atari]'",
+    "gymnasium_robotics": "pip install gymnasium-robotics",
+}
+
+
+def import_env_packages(env_id: str) -> None:
+    """
+    Import the installed :data:`ENV_PACKAGES` when ``env_id`` is not registered yet (also in fresh worker processes).
+
+    :param env_id: gymnasium id
+    """
+    if env_id in gym.registry:
+        return
+    for module in ENV_PACKAGES:
+        if importlib.util.find_spec(module) is not None:
+            gym.register_envs(importlib.import_module(module))
+
+
+def _install_hint(env_id: str) -> str | None:
+    """:return: how to install the package of an env id of a known family that is not installed, else ``None``"""
+    if (env_id.startswith("ALE/") or "NoFrameskip" in env_id) and importlib.util.find_spec("ale_py") is None:
+        return f"Atari envs need ale-py: {ENV_PACKAGES['ale_py']}"
+    return None
+
+
 def check_env_id(env_id: str) -> None:
     """
     Fail with close matches when ``env_id`` is not registered (``module:EnvId`` imports the module first).
@@ -42,10 +70,13 @@ def check_env_id(env_id: str) -> None:
         except ImportError as exc:
             raise UserError(f"cannot import {module!r} for env {env_id!r}: {exc}") from None
         env_id = name
+    import_env_packages(env_id)
     if env_id in gym.registry:
         return
     close = difflib.get_close_matches(env_id, list(gym.registry), n=3, cutoff=0.6)
-    hint = f"did you mean {', '.join(close)}?" if close else "check the name, or write module:EnvId to import its package"
+    hint = _install_hint(env_id) or (
+        f"did you mean {', '.join(close)}?" if close else "check the name, or write module:EnvId to import its package"
+    )
     raise UserError(f"unknown environment id {env_id!r}; {hint}")
 
 
@@ -73,12 +104,14 @@ class WrapperChain:
 
 def make_single_env(env_id: str, **kwargs: Any) -> gym.Env:
     """
-    ``gym.make`` after registering the package's envs (so it also works in freshly spawned workers).
+    ``gym.make`` after registering the package's envs and those of :data:`ENV_PACKAGES` (so that it also works in
+    freshly spawned workers).
 
     :param env_id: gymnasium id
     :param kwargs: ``gym.make`` keyword arguments
     :return: the env
     """
+    import_env_packages(env_id)
     return gym.make(env_id, **kwargs)
 
 

@@ -1,0 +1,46 @@
+"""Torch's thread count follows the work: convolutions get every core (as stock runs), small MLPs one, a user's wins."""
+
+from __future__ import annotations
+
+import pytest
+import torch as th
+from gymnasium import spaces
+from stable_baselines3.common.env_util import make_vec_env
+
+from sb3_speedups import A2C, DQN, PPO, SAC, RecurrentPPO
+from sb3_speedups.common import torch_utils
+from tests.space_envs import BoxObsEnv
+
+DISCRETE, BOX = spaces.Discrete(3), spaces.Box(-1, 1, (2,))
+CASES = [
+    (PPO, "CnnPolicy", DISCRETE, {}),
+    (A2C, "CnnPolicy", DISCRETE, {}),
+    (DQN, "CnnPolicy", DISCRETE, {"buffer_size": 100}),
+    (SAC, "CnnPolicy", BOX, {"buffer_size": 100}),
+    (RecurrentPPO, "CnnLstmPolicy", DISCRETE, {}),
+]
+
+
+@pytest.fixture
+def startup_threads():
+    """Torch's own default here (every core), restored after the test; skips on a one-core machine."""
+    before = th.get_num_threads()
+    if torch_utils._STARTUP_NUM_THREADS < 2:
+        pytest.skip("torch's default is one thread here")
+    yield torch_utils._STARTUP_NUM_THREADS
+    th.set_num_threads(before)
+
+
+@pytest.mark.parametrize("cls, policy, action_space, kwargs", CASES, ids=[c[0].__name__ for c in CASES])
+def test_convolutions_get_torch_default_threads_and_mlps_one(cls, policy, action_space, kwargs, startup_threads):
+    def env(image: bool):
+        return make_vec_env(lambda: BoxObsEnv(action_space, image=image), n_envs=1, seed=0)
+
+    cls(policy.replace("Cnn", "Mlp"), env(False), seed=0, **kwargs)
+    assert th.get_num_threads() == 1
+    cls(policy, env(True), seed=0, **kwargs)
+    assert th.get_num_threads() == startup_threads
+    cls(policy.replace("Cnn", "Mlp"), env(False), seed=0, **kwargs)
+    assert th.get_num_threads() == 1
+    cls(policy, env(True), seed=0, num_threads=1, **kwargs)  # the user's choice wins
+    assert th.get_num_threads() == 1
