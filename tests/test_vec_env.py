@@ -211,14 +211,72 @@ def test_reset_cancels_a_pending_step_and_misuse_is_refused() -> None:
         ({"n_workers": 0}, "n_workers"),
         ({"n_local": 9}, "n_local"),
         ({"n_local": "some"}, "n_local"),
-        ({"start_method": "teleport"}, "start_method"),
+        ({"start_method": "teleport"}, "^cannot find context for 'teleport': .*start_method"),  # as SB3's test expects
         ({"spin_us": -1.0}, "spin_us"),
         ({"n_local": 4, "n_workers": 1}, "keeps every env"),
     ],
 )
 def test_bad_arguments(kwargs: dict, message: str) -> None:
-    with pytest.raises(UserError, match=message):
+    with pytest.raises(UserError, match=message) as info:
         BatchedSubprocVecEnv(env_fns(4), **kwargs)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("n_local, n_workers", [(0, 2), (1, 1), (2, 1), (3, None)])
+def test_indices_select_the_envs_dummy_vec_env_selects(n_local: int, n_workers: int | None) -> None:
+    """Negative (SB3's test_vecenv_custom_calls uses [0, -1]), unsorted and repeated indices, for envs anywhere."""
+    fns = env_fns(3)
+    ours = BatchedSubprocVecEnv(fns, n_workers=n_workers, start_method="fork", n_local=n_local)
+    ref = DummyVecEnv(fns)
+    try:
+        for venv in (ours, ref):
+            venv.seed(4)
+            venv.reset()
+            assert venv.env_method("set_wrapper_attr", "t", 12, indices=[0, -1]) == [True, True]
+            for i, marker in ((0, "first"), (1, "middle"), (-1, "last")):
+                venv.set_attr("marker", marker, indices=i)
+        assert ours.get_attr("t") == ref.get_attr("t") == [12, 0, 12]
+        for indices in (None, [0, -1], -2, [2, 0], [-1, 1, -3], [1, 1], np.array([-2, 0])):
+            assert ours.get_attr("marker", indices) == ref.get_attr("marker", indices), indices
+        # A repeated index calls the env again, in order: each call's own result comes back
+        assert_same(ours.env_method("reset", indices=[0, -1, 0, 2]), ref.env_method("reset", indices=[0, -1, 0, 2]))
+        for venv, bad in ((ours, [3]), (ref, [3]), (ours, [0, -4]), (ref, [0, -4])):
+            with pytest.raises(IndexError):
+                venv.get_attr("t", bad)
+    finally:
+        ours.close()
+
+
+def calls_until_error(venv) -> tuple[int, type | None]:
+    """:return: the steps made after the reset until an error, and its type"""
+    venv.seed(0)
+    calls = 0
+    try:
+        venv.reset()
+        for actions in random_actions(venv.action_space, venv.num_envs, 500):
+            calls += 1
+            venv.step(actions)
+    except Exception as exc:
+        return calls, type(exc)
+    return calls, None
+
+
+@pytest.mark.parametrize("case", ["fail_at", "fail_reset", "record_episode_statistics"])
+def test_start_up_timing_leaves_env_errors_to_their_first_use(case: str) -> None:
+    """n_local="auto" steps a throw-away env at start-up: an env's error must come where stock's comes, not there."""
+    if case == "record_episode_statistics":
+        # SB3's make_vec_env puts a Monitor under the wrapper, so both write info["episode"] and the wrapper asserts
+        # at the first episode end, for stock as for ours.
+        kwargs = {"n_envs": 2, "seed": 0, "wrapper_class": gym.wrappers.RecordEpisodeStatistics}
+        ours = make_vec_env("CartPole-v1", vec_env_cls=BatchedSubprocVecEnv, vec_env_kwargs={"start_method": "fork"}, **kwargs)
+        ref = make_vec_env("CartPole-v1", **kwargs)
+    else:
+        fns = env_fns(2, **{case: 1 if case == "fail_at" else True})
+        ours, ref = BatchedSubprocVecEnv(fns, start_method="fork"), DummyVecEnv(fns)
+    try:
+        assert calls_until_error(ours) == calls_until_error(ref) != (500, None)
+    finally:
+        ours.close()
 
 
 def test_halves_step_while_the_other_half_waits() -> None:

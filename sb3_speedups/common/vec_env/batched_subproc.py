@@ -31,6 +31,7 @@ from sb3_speedups.common.vec_env.env_group import (
     make_envs,
     obs_keys,
     obs_specs,
+    resolve_indices,
 )
 from sb3_speedups.common.vec_env.pool import WorkerDiedError, WorkerHandle, WorkerPool, unlink_semaphore_names
 from sb3_speedups.common.vec_env.shared_memory import ArraySpec, SharedArrays
@@ -289,20 +290,23 @@ class BatchedSubprocVecEnv(SubsetSteppingMixin, VecEnv):
         self._check_usable()
         self._check_idle(name)
         assert self._local is not None
-        order = list(self._get_indices(indices))
-        local_ids = [i for i in order if i < self.n_local]
-        remote = {w: ids for w in self._pool.workers if (ids := [i for i in order if w.first <= i < w.stop])}
-        for worker, ids in remote.items():
-            self._pool.request(worker, name, (args, ids))
-        results: dict[int, Any] = {}
+        order = resolve_indices(self._get_indices(indices), self.num_envs)
+        # Positions in ``order`` served by the main process and by each worker (an index may repeat)
+        local = [p for p, i in enumerate(order) if i < self.n_local]
+        remote = {w: pos for w in self._pool.workers if (pos := [p for p, i in enumerate(order) if w.first <= i < w.stop])}
+        for worker, pos in remote.items():
+            self._pool.request(worker, name, (args, [order[p] for p in pos]))
+        results: list[Any] = [None] * len(order)
         try:
-            results.update(zip(local_ids, ENV_COMMANDS[name](self._local.targets(local_ids), args), strict=True))
+            local_values = ENV_COMMANDS[name](self._local.targets([order[p] for p in local]), args)
         except BaseException:
             self._pool.replies_quietly(list(remote))
             raise
-        for ids, values in zip(remote.values(), self._pool.replies(list(remote)), strict=True):
-            results.update(zip(ids, values, strict=True))
-        return [results[i] for i in order]
+        replies = self._pool.replies(list(remote))
+        for pos, values in [(local, local_values), *zip(remote.values(), replies, strict=True)]:
+            for p, value in zip(pos, values, strict=True):
+                results[p] = value
+        return results
 
     def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
         return self._gather("get_attr", (attr_name,), indices)
@@ -343,7 +347,9 @@ def _check_args(n_envs: int, n_workers: int | None, start_method: str | None, n_
     if n_envs == 0:
         raise UserValueError("BatchedSubprocVecEnv needs at least one env function")
     if start_method is not None and start_method not in mp.get_all_start_methods():
-        raise UserValueError(f"start_method {start_method!r} is not available here; use one of {mp.get_all_start_methods()}")
+        # Worded as multiprocessing's own error, which stock SubprocVecEnv lets through (and SB3's tests match)
+        methods = mp.get_all_start_methods()
+        raise UserValueError(f"cannot find context for {start_method!r}: pass start_method as one of {methods} or None")
     if n_workers is not None and not (isinstance(n_workers, int) and n_workers >= 1):
         raise UserValueError(f"n_workers must be a positive integer or None, got {n_workers!r}")
     if spin_us < 0:

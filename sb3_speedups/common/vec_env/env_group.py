@@ -8,9 +8,10 @@ the infos that carry something beyond ``TimeLimit.truncated=False`` are returned
 
 from __future__ import annotations
 
+import operator
 import traceback
+from collections.abc import Callable, Iterable, Sequence
 from copy import deepcopy
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import gymnasium as gym
@@ -119,6 +120,21 @@ def make_envs(env_fns: Sequence[Callable[[], gym.Env]], first: int, where: str) 
             env.close()
         raise
     return envs
+
+
+def resolve_indices(indices: Iterable[Any], n_envs: int) -> list[int]:
+    """
+    :param indices: VecEnv indices, read as list indexing reads them (``-1`` is the last env), as ``DummyVecEnv`` does
+    :param n_envs: number of envs
+    :return: the indices, each in ``[0, n_envs)``, in the given order (repeats kept)
+    """
+    resolved = []
+    for index in indices:
+        i = operator.index(index)
+        if not -n_envs <= i < n_envs:
+            raise IndexError(f"env index {i} out of range for a VecEnv of {n_envs} envs")
+        resolved.append(i % n_envs)
+    return resolved
 
 
 # The VecEnv commands other than step and reset, run on some envs of a group: name -> (envs, arguments) -> results.

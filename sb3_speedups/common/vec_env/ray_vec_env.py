@@ -20,6 +20,7 @@ import numpy as np
 from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvObs, VecEnvStepReturn
 from stable_baselines3.common.vec_env.util import dict_to_obs, obs_space_info
 
+from sb3_speedups.common.vec_env.env_group import resolve_indices
 from sb3_speedups.common.vec_env.info_codec import InfoDecoder
 from sb3_speedups.common.vec_env.pool import WorkerDiedError, reraise
 from sb3_speedups.errors import MissingExtraError, UserError, UserValueError
@@ -280,14 +281,15 @@ class RayVecEnv(VecEnv):
     def _command(self, name: str, args: tuple[Any, ...], indices: VecEnvIndices) -> list[Any]:
         """Run an :data:`ENV_COMMANDS` command on the envs ``indices``; results in the order of ``indices``."""
         self._check_usable(name)
-        order = list(self._get_indices(indices))
-        rows = {h: [i - h.first for i in order if h.first <= i < h.stop] for h in self._actors}
-        rows = {h: r for h, r in rows.items() if r}
-        refs = [handle.actor.command.remote(name, args, r) for handle, r in rows.items()]
-        results: dict[int, Any] = {}
-        for (handle, r), values in zip(rows.items(), self._get(refs, list(rows), name, self.step_timeout_s), strict=True):
-            results.update(zip([handle.first + row for row in r], values, strict=True))
-        return [results[i] for i in order]
+        order = resolve_indices(self._get_indices(indices), self.num_envs)
+        # Positions in ``order`` served by each actor (an index may repeat)
+        positions = {h: pos for h in self._actors if (pos := [p for p, i in enumerate(order) if h.first <= i < h.stop])}
+        refs = [h.actor.command.remote(name, args, [order[p] - h.first for p in pos]) for h, pos in positions.items()]
+        results: list[Any] = [None] * len(order)
+        for pos, values in zip(positions.values(), self._get(refs, list(positions), name, self.step_timeout_s), strict=True):
+            for p, value in zip(pos, values, strict=True):
+                results[p] = value
+        return results
 
     def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
         return self._command("get_attr", (attr_name,), indices)
