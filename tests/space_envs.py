@@ -50,6 +50,7 @@ class BoxObsEnv(gym.Env):
 ACTION_SPACES = {
     "discrete": spaces.Discrete(3),
     "box": spaces.Box(-1, 1, (2,), np.float32),
+    "box_matrix": spaces.Box(-1, 1, (2, 2), np.float32),  # stock hands the env actions shaped [n_envs, 2, 2]
     "multidiscrete": spaces.MultiDiscrete([3, 2]),
     "multibinary": spaces.MultiBinary(3),
 }

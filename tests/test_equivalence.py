@@ -154,9 +154,11 @@ def test_first_rollout_equals_stock(case, name):
     assert stock["episode_starts"].sum() > 0 or name == "dict"
     # Continuous actions (mean + std * noise) are equal up to float32 rounding: ours acts through numpy's matrix
     # products, stock through torch's. Sampled discrete actions must be identical.
-    exact = ["episode_starts"] + (["actions"] if name != "box" else [])
+    exact = ["episode_starts"] + (["actions"] if name not in ("box", "box_matrix") else [])
     for key in [k for k in stock if k.startswith("obs")] + exact:
         np.testing.assert_array_equal(ours[key], stock[key], err_msg=key)
     np.testing.assert_allclose(ours["actions"], stock["actions"], rtol=0, atol=1e-6, err_msg="actions")
+    # Float32 rounding: 1e-5 near zero, relative 1e-6 for the image env's returns of ~1e3 (one float32 step is 1.2e-4
+    # there; the two sides may also run torch on other thread counts, which round convolutions differently).
     for key in ("values", "log_probs", "rewards", "advantages", "returns"):
-        np.testing.assert_allclose(ours[key], stock[key], rtol=0, atol=1e-5, err_msg=key)
+        np.testing.assert_allclose(ours[key], stock[key], rtol=1e-6, atol=1e-5, err_msg=key)

@@ -1,7 +1,8 @@
 """
 The shared off-policy collection loop (:class:`FastOffPolicyCollection`) has stock ``collect_rollouts``' effects: on a
-stock algorithm with continuous actions (TD3 with action noise) and on our DQN, the same replay buffer, parameters,
-callback calls, logged values and episode bookkeeping as the stock class for one seed.
+stock algorithm with continuous actions (TD3 with action noise), on our DQN, and on our DQN, SAC and TD3 with ``Dict``
+observations, the same replay buffer, parameters, callback calls, logged values and episode bookkeeping as the stock
+class for one seed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from stable_baselines3.common.logger import KVWriter, Logger
 from stable_baselines3.common.noise import NormalActionNoise, OrnsteinUhlenbeckActionNoise
 from stable_baselines3.common.vec_env import VecNormalize
 
+import sb3_speedups
 from sb3_speedups import DQN
 from sb3_speedups.common.off_policy.collection import FastOffPolicyCollection
 from sb3_speedups.common.off_policy.transitions import add_to_replay_buffer, copies_on_add
@@ -90,6 +92,16 @@ def learn_both(make_ours: Any, make_stock: Any, steps: int, callback: Any = None
     return out
 
 
+def assert_same_arrays(got: Any, expected: Any, name: str) -> None:
+    """Equal arrays of the same shape, or dicts of them (``Dict`` observations)."""
+    if isinstance(expected, dict):
+        assert got.keys() == expected.keys(), name
+        for key, value in expected.items():
+            np.testing.assert_array_equal(got[key], value, err_msg=f"{name}.{key}", strict=True)
+    else:
+        np.testing.assert_array_equal(got, expected, err_msg=name, strict=True)
+
+
 def assert_same_run(
     ours: BaseAlgorithm, stock: BaseAlgorithm, fields: tuple[str, ...] = REPLAY_FIELDS, param_atol: float = 0.0
 ) -> None:
@@ -102,10 +114,9 @@ def assert_same_run(
     assert ours._n_updates == stock._n_updates
     assert ours._current_progress_remaining == stock._current_progress_remaining
     for name in fields:
-        got, expected = getattr(ours.replay_buffer, name), getattr(stock.replay_buffer, name)
-        np.testing.assert_array_equal(got, expected, err_msg=name)
+        assert_same_arrays(getattr(ours.replay_buffer, name), getattr(stock.replay_buffer, name), name)
     assert (ours.replay_buffer.pos, ours.replay_buffer.full) == (stock.replay_buffer.pos, stock.replay_buffer.full)
-    np.testing.assert_array_equal(ours._last_obs, stock._last_obs)
+    assert_same_arrays(ours._last_obs, stock._last_obs, "_last_obs")
     episodes = [[(e["r"], e["l"]) for e in model.ep_info_buffer] for model in (ours, stock)]  # without wall-clock "t"
     assert episodes[0] == episodes[1]
     ours_state, stock_state = ours.policy.state_dict(), stock.policy.state_dict()
@@ -245,3 +256,49 @@ def test_add_to_replay_buffer_stores_what_stock_add_stores(obs_space: gym.spaces
         np.testing.assert_array_equal(getattr(ours, name), getattr(stock, name), err_msg=name)
     if not optimize_memory_usage:
         np.testing.assert_array_equal(ours.next_observations, stock.next_observations)
+
+
+class _DictWithDiscreteEnv(gym.Env):
+    """``Dict`` observations with a ``Discrete`` entry beside a ``Box`` one (as SB3's ``DummyDictEnv``), short episodes."""
+
+    def __init__(self, action_space: gym.spaces.Space) -> None:
+        self.observation_space = gym.spaces.Dict(
+            {"vec": gym.spaces.Box(-1, 1, (3,), np.float32), "discrete": gym.spaces.Discrete(4)}
+        )
+        self.action_space = action_space
+
+    def _observe(self) -> dict[str, Any]:
+        return {"vec": self.np_random.uniform(-1, 1, 3).astype(np.float32), "discrete": int(self.np_random.integers(4))}
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict]:
+        super().reset(seed=seed)
+        self.t = 0
+        self.state = self._observe()
+        return self.state, {}
+
+    def step(self, action: Any) -> tuple[dict[str, Any], float, bool, bool, dict]:
+        self.t += 1
+        reward = float(self.state["vec"].sum()) - 0.1 * self.state["discrete"] - float(np.sum(action))
+        self.state = self._observe()
+        return self.state, reward, self.t == 5 and self.state["discrete"] == 0, self.t >= 7, {}
+
+
+@pytest.mark.parametrize("n_envs", [1, 2])
+@pytest.mark.parametrize("name", ["DQN", "SAC", "TD3"])
+def test_dict_observations_with_discrete_entries_collect_as_stock(name: str, n_envs: int) -> None:
+    """
+    ``DictReplayBuffer.add`` reshapes the ``Discrete`` entries of the dicts it is given in place: the observations the
+    policy acts on next must keep the env's ``(n_envs,)`` shape, as after stock's deep copy.
+    """
+    action_space = gym.spaces.Discrete(3) if name == "DQN" else gym.spaces.Box(-1, 1, (2,), np.float32)
+    # No gradient step: both act with the same initial policy through stock's predict (Dict observations), the same
+    # ops on the same shapes, so the collected buffers are equal exactly.
+    kwargs = dict(learning_starts=6, buffer_size=100, gradient_steps=0, policy_kwargs=dict(net_arch=[8]), seed=3)
+
+    def make(cls: type) -> Any:
+        env = make_vec_env(lambda: _DictWithDiscreteEnv(action_space), n_envs, seed=4)
+        return lambda: cls("MultiInputPolicy", env, **kwargs)
+
+    (ours, _), (stock, _) = learn_both(make(getattr(sb3_speedups, name)), make(getattr(stable_baselines3, name)), 40)
+    assert stock.replay_buffer.timeouts.any() and stock.replay_buffer.dones.any()  # terminal observations were patched in
+    assert_same_run(ours, stock)  # the buffers and _last_obs entry by entry, shapes included

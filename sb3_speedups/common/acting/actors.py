@@ -131,6 +131,16 @@ def box_env_actions(policy: BasePolicy, action_space: spaces.Space) -> Callable[
     return lambda actions: np.clip(actions, low, high)
 
 
+def stock_action_shape(action_space: spaces.Space) -> tuple[int, ...] | None:
+    """
+    :return: ``(-1, *action_space.shape)``, the shape stock's ``ActorCriticPolicy.forward`` gives its actions, where
+        it differs from a head's ``[n, action_dim]`` rows (multi-dimensional spaces such as a ``(2, 2)`` ``Box``);
+        ``None`` where the head's rows already have it
+    """
+    shape = action_space.shape
+    return (-1, *shape) if shape is not None and len(shape) > 1 else None
+
+
 class FrozenActorCritic:
     """
     Frozen plain-tensor copy of an MLP ``ActorCriticPolicy`` (flat ``Box`` observations, no gSDE) for collection.
@@ -161,6 +171,7 @@ class FrozenActorCritic:
         self.action_net, self.value_net = TorchMlp(mirrored.action), TorchMlp(mirrored.value)
         self.log_std = mirrored.log_std
         self.env_actions = box_env_actions(policy, policy.action_space)
+        self.action_shape = stock_action_shape(policy.action_space)
         self._numpy = NumpyActorCritic.build(chains, mirrored.action, mirrored.value) if self.device.type == "cpu" else None
 
     def _pair(self, copies: list[th.Tensor]) -> th.Tensor:
@@ -187,20 +198,25 @@ class FrozenActorCritic:
     def act(self, obs: np.ndarray, masks: np.ndarray | None = None) -> tuple[np.ndarray, th.Tensor, th.Tensor]:
         """
         :param masks: allowed choices of categorical actions (sb3-contrib's action masks), or ``None``
-        :return: sampled actions, values ``[n, 1]`` and log-probabilities ``[n]`` for a batch of observations (the
-            copy's tensors never require gradients, so no autograd state is recorded without any grad-mode context)
+        :return: sampled actions (shaped as stock's policy shapes them), values ``[n, 1]`` and log-probabilities
+            ``[n]`` for a batch of observations (the copy's tensors never require gradients, so no autograd state is
+            recorded without any grad-mode context)
         """
         if self._numpy is not None and isinstance(obs, np.ndarray) and self._numpy.accepts(obs.shape[0]):
             out, np_values = self._numpy.forward(obs)
             if masks is not None:
                 out = mask_logits_numpy(out, masks)
             np_actions, log_prob = self.head.sample_numpy(out, self.log_std)
-            return np_actions, th.from_numpy(np_values), log_prob
-        latent_pi, latent_vf = self._latents(self._features(obs))
-        values = self.value_net(latent_vf)
-        logits = self.action_net(latent_pi)
-        actions, log_prob = self.head.sample(logits if masks is None else mask_logits(logits, masks), self.log_std)
-        return (actions if actions.device.type == "cpu" else actions.cpu()).numpy(), values, log_prob
+            values: th.Tensor = th.from_numpy(np_values)
+        else:
+            latent_pi, latent_vf = self._latents(self._features(obs))
+            values = self.value_net(latent_vf)
+            logits = self.action_net(latent_pi)
+            actions, log_prob = self.head.sample(logits if masks is None else mask_logits(logits, masks), self.log_std)
+            np_actions = (actions if actions.device.type == "cpu" else actions.cpu()).numpy()
+        if self.action_shape is not None:
+            np_actions = np_actions.reshape(self.action_shape)
+        return np_actions, values, log_prob
 
     def predict_values(self, obs: np.ndarray) -> th.Tensor:
         """:return: values ``[n]`` of a batch of observations"""
@@ -312,6 +328,7 @@ class ModuleActorCritic:
             _rebind(self.policy, self.mirror.copies)
         self.head = standard_head(policy)
         self.env_actions = box_env_actions(policy, policy.action_space)
+        self.action_shape = stock_action_shape(policy.action_space)
 
     def sync(self) -> None:
         """Refresh the copy (if any) from the training policy (once per rollout)."""
@@ -324,7 +341,8 @@ class ModuleActorCritic:
     ) -> tuple[np.ndarray, th.Tensor, th.Tensor]:
         """
         :param masks: allowed choices of categorical actions (sb3-contrib's action masks), or ``None``
-        :return: sampled actions, values ``[n, 1]`` and log-probabilities ``[n]`` for a batch of observations
+        :return: sampled actions (shaped as stock's policy shapes them), values ``[n, 1]`` and log-probabilities
+            ``[n]`` for a batch of observations
         """
         obs_tensor = obs_as_tensor(obs, self.device)
         policy = self.policy
@@ -332,14 +350,15 @@ class ModuleActorCritic:
             if masks is not None:
                 raise ValueError(f"{type(policy).__name__} has no standard head to mask")
             actions, values, log_prob = policy(obs_tensor)
-            return actions.cpu().numpy(), values, log_prob
+            return actions.cpu().numpy(), values, log_prob  # the policy shapes its actions itself
         latent_pi, latent_vf = policy_latents(policy, obs_tensor)
         values = policy.value_net(latent_vf)
         out = policy.action_net(latent_pi)
         actions, log_prob = self.head.sample(
             out if masks is None else mask_logits(out, masks), getattr(policy, "log_std", None)
         )
-        return actions.cpu().numpy(), values, log_prob
+        np_actions = actions.cpu().numpy()
+        return (np_actions if self.action_shape is None else np_actions.reshape(self.action_shape)), values, log_prob
 
     @th.inference_mode()
     def predict_values(self, obs: np.ndarray | dict[str, np.ndarray]) -> th.Tensor:

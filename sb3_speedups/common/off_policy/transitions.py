@@ -120,14 +120,19 @@ def store_transition(
     else:
         next_obs, original_reward = vec_normalize.get_original_obs(), vec_normalize.get_original_reward()
         original_next_obs = next_obs
+    patched = False
     if np.count_nonzero(dones):
         finished = [int(i) for i in np.flatnonzero(dones) if infos[i].get("terminal_observation") is not None]
         if finished:
-            next_obs = _with_terminal_observations(next_obs, finished, infos, vec_normalize)
+            next_obs, patched = _with_terminal_observations(next_obs, finished, infos, vec_normalize), True
     obs = model._last_original_obs
     if type(replay_buffer).add is ReplayBuffer.add:
         add_to_replay_buffer(replay_buffer, obs, next_obs, buffer_action, original_reward, dones, infos)  # type: ignore[arg-type]
     else:
+        if isinstance(next_obs, dict) and not patched:
+            # DictReplayBuffer.add replaces the Discrete entries of the dict it is given by reshaped ones: give it a
+            # dict of its own (stock's deep copy), so that the observations acted on next keep their (n_envs,) shape.
+            next_obs = dict(next_obs)
         replay_buffer.add(obs, next_obs, buffer_action, original_reward, dones, infos)  # type: ignore[arg-type]
     model._last_obs = new_obs  # type: ignore[assignment]
     if vec_normalize is not None:
