@@ -18,10 +18,13 @@ import numpy as np
 import pytest
 import sb3_contrib
 import stable_baselines3
+import torch as th
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
+from stable_baselines3.common.preprocessing import get_flattened_obs_dim
+from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
 from stable_baselines3.common.vec_env import VecEnv
 from gymnasium.spaces import Box
 
@@ -227,6 +230,24 @@ SAC_CASE = {**OFF_POLICY_CASE, "engine": "HandDerivedSACUpdate"}
 TD3_CASE = {**OFF_POLICY_CASE, "engine": "HandDerivedTD3Update"}
 
 
+class BatchNormExtractor(BaseFeaturesExtractor):
+    """Flat observations through BatchNorm and Dropout: running statistics, and RNG draws in training mode only."""
+
+    def __init__(self, observation_space: gym.Space) -> None:
+        super().__init__(observation_space, get_flattened_obs_dim(observation_space))
+        self.net = th.nn.Sequential(th.nn.Flatten(), th.nn.BatchNorm1d(self.features_dim), th.nn.Dropout(0.2))
+
+    def forward(self, observations: th.Tensor) -> th.Tensor:
+        return self.net(observations)
+
+
+BATCH_NORM = {**OFF_POLICY_SMALL, "policy_kwargs": dict(net_arch=[32, 32], features_extractor_class=BatchNormExtractor)}
+# float32 rounding: ours keeps the actor's weights in a flat buffer after BatchNorm's 6 numbers, off 64-byte alignment,
+# where MKL's products round otherwise than on stock's own tensors (seen: 2.4e-7 on a deterministic action)
+BATCH_NORM_CASE = dict(predict_atol=1e-6)
+SHARED_CNN = {**OFF_POLICY_SMALL, "policy_kwargs": dict(net_arch=[16], share_features_extractor=True)}
+
+
 def image_env(action_space: Box) -> Callable[[], VecEnv]:
     """:return: a factory of small seeded uint8-image envs (CNN policies)"""
     return lambda: make_vec_env(lambda: BoxObsEnv(action_space, image=True), n_envs=2, seed=1)
@@ -335,6 +356,14 @@ CASES = [
         **{**SAC_CASE, "engine": "AutogradSACUpdate", "learn_steps": 160},
     ),
     AlgoCase(
+        "sac-cnn-shared", SAC, stable_baselines3.SAC, image_env(Box(-1, 1, (2,), np.float32)), SHARED_CNN,
+        policy="CnnPolicy", **{**SAC_CASE, "engine": "AutogradSACUpdate", "learn_steps": 160},
+    ),
+    AlgoCase(
+        "sac-batch-norm", SAC, stable_baselines3.SAC, seeded_envs("Pendulum-v1", 1, 3), BATCH_NORM,
+        **{**SAC_CASE, **BATCH_NORM_CASE, "engine": "AutogradSACUpdate"},
+    ),
+    AlgoCase(
         "sac-dict", SAC, stable_baselines3.SAC, dict_pendulum_env, {**OFF_POLICY_SMALL, "ent_coef": 0.05},
         policy="MultiInputPolicy", **{**SAC_CASE, "engine": "AutogradSACUpdate", "close": ("actions", "rewards")},
     ),
@@ -347,6 +376,14 @@ CASES = [
     AlgoCase(
         "td3-autograd", TD3, stable_baselines3.TD3, PENDULUM_ENV, OFF_POLICY_SMALL, ours_kwargs=dict(fast_update=False),
         **{**TD3_CASE, "engine": "AutogradTD3Update"},
+    ),
+    AlgoCase(
+        "td3-cnn-shared", TD3, stable_baselines3.TD3, image_env(Box(-1, 1, (2,), np.float32)), SHARED_CNN,
+        policy="CnnPolicy", **{**TD3_CASE, "engine": "AutogradTD3Update", "learn_steps": 160},
+    ),
+    AlgoCase(
+        "td3-batch-norm", TD3, stable_baselines3.TD3, seeded_envs("Pendulum-v1", 1, 3), BATCH_NORM,
+        **{**TD3_CASE, **BATCH_NORM_CASE, "engine": "AutogradTD3Update"},
     ),
     AlgoCase(
         "ppo-mask", MaskablePPO, sb3_contrib.MaskablePPO, masked_env("InvalidActionEnvDiscrete-v0"), SEEDED_MASK, **MASK_CASE

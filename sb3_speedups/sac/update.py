@@ -30,9 +30,10 @@ from sb3_speedups.common.nn.optim import FlatAdam, FlatOptimizerStep
 from sb3_speedups.common.off_policy.actor_net import ActorNet
 from sb3_speedups.common.off_policy.critics import (
     actor_and_critic_training_reason,
+    SoftUpdate,
     StackedCritics,
     stock_actor_reason,
-    foreach_polyak_,
+    parameters_only_in,
     without_weight_gradients,
 )
 from sb3_speedups.common.off_policy.batches import OffPolicyBatches
@@ -175,8 +176,10 @@ class AutogradSACUpdate:
     """
     SAC's gradient step with autograd, for any policy (gSDE, CNN and ``Dict`` observations, custom networks and
     optimizers): stock's losses, with the flat fused Adam where the optimizer is a plain Adam over its network
-    (:class:`~sb3_speedups.common.nn.optim.FlatOptimizerStep`), no critic weight gradients for the actor loss, the
-    polyak update in two kernel calls, and no host sync.
+    (:class:`~sb3_speedups.common.nn.optim.FlatOptimizerStep`; not for the critics when they share the actor's
+    features extractor, which stock's critic optimizer leaves out), no critic weight gradients for the actor loss (a
+    shared features extractor still gets the actor's), stock's target update in foreach calls
+    (:class:`~sb3_speedups.common.off_policy.critics.SoftUpdate`: running statistics copied), and no host sync.
 
     :param policy: the SAC policy
     :param log_ent_coef: as :class:`HandDerivedSACUpdate`
@@ -196,13 +199,14 @@ class AutogradSACUpdate:
         use_sde: bool,
     ) -> None:
         self.policy = policy
+        self.critic_only = parameters_only_in(policy.critic, policy.actor)
+        shares = len(self.critic_only) < len(list(policy.critic.parameters()))
         self.actor_step = FlatOptimizerStep(policy.actor, policy.actor.optimizer)
-        self.critic_step = FlatOptimizerStep(policy.critic, policy.critic.optimizer)
+        self.critic_step = FlatOptimizerStep(policy.critic, policy.critic.optimizer, flat=not shares)
         self.log_ent_coef, self.fixed_ent_coef, self.target_entropy = log_ent_coef, ent_coef, target_entropy
         self.ent_coef_optimizer = ent_coef_optimizer
         self.use_sde = use_sde
-        self.critic_params = list(policy.critic.parameters())
-        self.target_params = list(policy.critic_target.parameters())
+        self.soft_update = SoftUpdate.between(policy.critic, policy.critic_target)
 
     def is_bound(self) -> bool:
         """:return: whether the optimizers are still the policy's and their state lives in the flat buffers"""
@@ -251,11 +255,11 @@ class AutogradSACUpdate:
         losses.critic.append(critic_loss.detach())
         self.critic_step.backward(critic_loss)
         self.critic_step.step()
-        with without_weight_gradients(critic):
+        with without_weight_gradients(self.critic_only):
             min_q = th.min(th.cat(critic(data.observations, actions_pi), dim=1), dim=1, keepdim=True).values
             actor_loss = (ent_coef * log_prob - min_q).mean()
             losses.actor.append(actor_loss.detach())
             self.actor_step.backward(actor_loss)
         self.actor_step.step()
         if update_target:
-            foreach_polyak_(self.target_params, self.critic_params, tau)
+            self.soft_update(tau)

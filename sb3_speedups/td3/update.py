@@ -21,9 +21,10 @@ from sb3_speedups.common.off_policy.actor_net import ActorNet
 from sb3_speedups.common.off_policy.batches import OffPolicyBatches
 from sb3_speedups.common.off_policy.critics import (
     actor_and_critic_training_reason,
+    SoftUpdate,
     StackedCritics,
     stock_actor_reason,
-    foreach_polyak_,
+    parameters_only_in,
     polyak_,
     without_weight_gradients,
 )
@@ -140,19 +141,24 @@ class AutogradTD3Update:
     """
     TD3's gradient step with autograd, for any policy (CNN and ``Dict`` observations, custom networks and
     optimizers): stock's losses, with the flat fused Adam where the optimizer is a plain Adam over its network
-    (:class:`~sb3_speedups.common.nn.optim.FlatOptimizerStep`), no critic weight gradients for the actor loss, the
-    polyak updates in two kernel calls each, and no host sync.
+    (:class:`~sb3_speedups.common.nn.optim.FlatOptimizerStep`; not for the critics when they share the actor's
+    features extractor: stock's critic optimizer holds it but never steps it, its gradient being ``None`` there), no
+    critic weight gradients for the actor loss (a shared features extractor still gets the actor's), stock's target
+    updates in foreach calls (:class:`~sb3_speedups.common.off_policy.critics.SoftUpdate`: running statistics
+    copied), and no host sync.
 
     :param policy: the TD3 (or DDPG) policy
     """
 
     def __init__(self, policy: TD3Policy) -> None:
         self.policy = policy
+        self.critic_only = parameters_only_in(policy.critic, policy.actor)
+        shares = len(self.critic_only) < len(list(policy.critic.parameters()))
         self.actor_step = FlatOptimizerStep(policy.actor, policy.actor.optimizer)
-        self.critic_step = FlatOptimizerStep(policy.critic, policy.critic.optimizer)
-        self.pairs = [
-            (list(policy.critic_target.parameters()), list(policy.critic.parameters())),
-            (list(policy.actor_target.parameters()), list(policy.actor.parameters())),
+        self.critic_step = FlatOptimizerStep(policy.critic, policy.critic.optimizer, flat=not shares)
+        self.soft_updates = [
+            SoftUpdate.between(policy.critic, policy.critic_target),
+            SoftUpdate.between(policy.actor, policy.actor_target),
         ]
 
     def is_bound(self) -> bool:
@@ -186,10 +192,10 @@ class AutogradTD3Update:
         self.critic_step.step()
         if not update_actor:
             return
-        with without_weight_gradients(policy.critic):
+        with without_weight_gradients(self.critic_only):
             actor_loss = -policy.critic.q1_forward(data.observations, policy.actor(data.observations)).mean()
             losses.actor.append(actor_loss.detach())
             self.actor_step.backward(actor_loss)
         self.actor_step.step()
-        for targets, sources in self.pairs:
-            foreach_polyak_(targets, sources, tau)
+        for soft_update in self.soft_updates:
+            soft_update(tau)

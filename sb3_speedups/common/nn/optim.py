@@ -295,15 +295,16 @@ class FlatOptimizerStep:
     :param optimizer: its optimizer (its ``param_groups`` stay the source of the learning rate)
     :param rmsprop: also run a plain ``torch.optim.RMSprop`` flat (:class:`FlatRMSprop`); off, it takes the stock
         calls, whose numbers differ from the flat step's in the last bits
+    :param flat: ``False`` always takes the stock calls (where another flat buffer holds some of the parameters)
     """
 
-    def __init__(self, module: nn.Module, optimizer: th.optim.Optimizer, rmsprop: bool = False) -> None:
+    def __init__(self, module: nn.Module, optimizer: th.optim.Optimizer, rmsprop: bool = False, *, flat: bool = True) -> None:
         self.module, self.optimizer = module, optimizer
         params = list(module.parameters())
         self.flat: FlatParameters | None = None
         self.flat_optimizer: FlatAdam | FlatRMSprop | None = None
         unsupported = flat_optimizer_unsupported_reason if rmsprop else adam_unsupported_reason
-        if unsupported(optimizer, params) is None:
+        if flat and unsupported(optimizer, params) is None:
             self.flat = FlatParameters(params)
             self.flat_optimizer = make_flat_optimizer(self.flat, optimizer)
             self._attach()

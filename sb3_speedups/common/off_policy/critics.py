@@ -19,6 +19,7 @@ from gymnasium import spaces
 from stable_baselines3.common.policies import BasePolicy, ContinuousCritic
 from stable_baselines3.common.preprocessing import is_image_space
 from stable_baselines3.common.torch_layers import FlattenExtractor
+from stable_baselines3.common.utils import get_parameters_by_name
 from torch import nn
 
 from sb3_speedups.common.nn.flat import FlatParameters
@@ -95,19 +96,53 @@ def foreach_polyak_(targets: Sequence[th.Tensor], sources: Sequence[th.Tensor], 
     th._foreach_add_(list(targets), list(sources), alpha=tau)
 
 
+@dataclass
+class SoftUpdate:
+    """
+    Stock's target update of one network in foreach calls: ``polyak_update`` of the parameters by ``tau``, and of the
+    running statistics (BatchNorm's ``running_*`` buffers, found as stock finds them) by 1, a copy whatever ``tau``.
+    """
+
+    targets: list[th.Tensor]
+    sources: list[th.Tensor]
+    target_statistics: list[th.Tensor]
+    statistics: list[th.Tensor]
+
+    @classmethod
+    def between(cls, source: nn.Module, target: nn.Module) -> SoftUpdate:
+        """:return: the update of ``target`` towards ``source`` (same architecture)"""
+        return cls(
+            list(target.parameters()),
+            list(source.parameters()),
+            get_parameters_by_name(target, ["running_"]),
+            get_parameters_by_name(source, ["running_"]),
+        )
+
+    def __call__(self, tau: float) -> None:
+        foreach_polyak_(self.targets, self.sources, tau)
+        if self.statistics:
+            foreach_polyak_(self.target_statistics, self.statistics, 1.0)
+
+
+def parameters_only_in(module: nn.Module, other: nn.Module) -> list[nn.Parameter]:
+    """:return: ``module``'s parameters that ``other`` does not hold (not a features extractor the two share)"""
+    shared = {id(p) for p in other.parameters()}
+    return [p for p in module.parameters() if id(p) not in shared]
+
+
 @contextmanager
-def without_weight_gradients(module: nn.Module) -> Iterator[None]:
+def without_weight_gradients(params: Sequence[nn.Parameter]) -> Iterator[None]:
     """
-    Autograd computes no gradient for ``module``'s parameters inside the block (a loss that trains another network
-    through ``module`` needs only the gradient of its inputs).
+    Autograd computes no gradient for ``params`` inside the block (a loss that trains another network through their
+    module needs only the gradient of its inputs; pass :func:`parameters_only_in` so that what the two share trains).
     """
-    params = [p for p in module.parameters() if p.requires_grad]
-    for p in params:
+    frozen = [p for p in params if p.requires_grad]
+    for p in frozen:
         p.requires_grad_(False)
     try:
         yield
     finally:
-        for p in params:
+        for p in frozen:
             p.requires_grad_(True)
 
 
