@@ -13,25 +13,20 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import gymnasium as gym
 import numpy as np
 import pytest
 import sb3_contrib
 import stable_baselines3
-import torch as th
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback
-from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
-from stable_baselines3.common.preprocessing import get_flattened_obs_dim
-from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
 from stable_baselines3.common.vec_env import VecEnv
 from gymnasium.spaces import Box
 
 from sb3_speedups import A2C, DDPG, DQN, PPO, SAC, TD3, RecurrentPPO
 from sb3_speedups.ppo_mask import MaskablePPO
 from sb3_speedups.ppo_recurrent.collection import frozen_actor_unsupported_reason
-from tests.space_envs import BoxObsEnv
+from tests.space_envs import BatchNormExtractor, dict_pendulum_env, dqn_env, image_env, masked_env, seeded_envs
 
 
 def updater_engine(model: BaseAlgorithm) -> str:
@@ -48,17 +43,6 @@ def recurrent_engine(model: BaseAlgorithm) -> str:
     step = model._optimizer_step  # type: ignore[attr-defined]
     adam = "flat" if step is not None and step.is_bound(model.policy.optimizer) else "unbound"
     return f"{collection} collection, {type(model.rollout_buffer).__name__}, {adam} Adam"
-
-
-def seeded_envs(env_id: str, n_envs: int, seed: int, max_episode_steps: int | None = None) -> Callable[[], VecEnv]:
-    """
-    :param max_episode_steps: a short time limit, so that a short rollout holds episode starts and timeout
-        bootstraps
-    :return: a factory of equal, seeded vectorised envs
-    """
-    if max_episode_steps is None:
-        return lambda: make_vec_env(env_id, n_envs=n_envs, seed=seed)
-    return lambda: make_vec_env(lambda: gym.make(env_id, max_episode_steps=max_episode_steps), n_envs=n_envs, seed=seed)
 
 
 @dataclass(frozen=True)
@@ -204,10 +188,6 @@ A2C_BOX = dict(
 )
 
 
-def dqn_env(n_envs: int) -> Callable[[], VecEnv]:
-    return seeded_envs("CartPole-v1", n_envs, 3)
-
-
 OFF_POLICY_SMALL = dict(
     learning_starts=64,
     batch_size=32,
@@ -230,43 +210,11 @@ SAC_CASE = {**OFF_POLICY_CASE, "engine": "HandDerivedSACUpdate"}
 TD3_CASE = {**OFF_POLICY_CASE, "engine": "HandDerivedTD3Update"}
 
 
-class BatchNormExtractor(BaseFeaturesExtractor):
-    """Flat observations through BatchNorm and Dropout: running statistics, and RNG draws in training mode only."""
-
-    def __init__(self, observation_space: gym.Space) -> None:
-        super().__init__(observation_space, get_flattened_obs_dim(observation_space))
-        self.net = th.nn.Sequential(th.nn.Flatten(), th.nn.BatchNorm1d(self.features_dim), th.nn.Dropout(0.2))
-
-    def forward(self, observations: th.Tensor) -> th.Tensor:
-        return self.net(observations)
-
-
 BATCH_NORM = {**OFF_POLICY_SMALL, "policy_kwargs": dict(net_arch=[32, 32], features_extractor_class=BatchNormExtractor)}
 # float32 rounding: ours keeps the actor's weights in a flat buffer after BatchNorm's 6 numbers, off 64-byte alignment,
 # where MKL's products round otherwise than on stock's own tensors (seen: 2.4e-7 on a deterministic action)
 BATCH_NORM_CASE = dict(predict_atol=1e-6)
 SHARED_CNN = {**OFF_POLICY_SMALL, "policy_kwargs": dict(net_arch=[16], share_features_extractor=True)}
-
-
-def image_env(action_space: Box) -> Callable[[], VecEnv]:
-    """:return: a factory of small seeded uint8-image envs (CNN policies)"""
-    return lambda: make_vec_env(lambda: BoxObsEnv(action_space, image=True), n_envs=2, seed=1)
-
-
-def dict_pendulum_env() -> VecEnv:
-    """:return: Pendulum with its observation in a ``Dict`` (``MultiInputPolicy``), seeded"""
-
-    def make() -> gym.Env:
-        env = gym.make("Pendulum-v1", max_episode_steps=20)
-        space = gym.spaces.Dict({"state": env.observation_space})
-        return gym.wrappers.TransformObservation(env, lambda obs: {"state": obs}, space)
-
-    return make_vec_env(make, n_envs=2, seed=3)
-
-
-def masked_env(env_id: str) -> Callable[[], VecEnv]:
-    """:return: a factory of sb3-contrib's masking test env (short episodes: starts inside one rollout)"""
-    return lambda: make_vec_env(lambda: gym.make(env_id, ep_length=5), n_envs=4, seed=3)
 
 
 MASK_CASE = dict(

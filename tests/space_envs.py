@@ -1,4 +1,4 @@
-"""Small real envs over every action space and observation kind, for PPO-style on-policy tests."""
+"""Small real envs over every action space and observation kind, and the seeded env factories of the AlgoCases."""
 
 from __future__ import annotations
 
@@ -7,9 +7,12 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.envs import SimpleMultiObsEnv
+from stable_baselines3.common.preprocessing import get_flattened_obs_dim
+from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
 from stable_baselines3.common.vec_env import VecEnv
 
 
@@ -75,3 +78,53 @@ def rollout_case(name: str) -> tuple[Callable[[], VecEnv], str, dict[str, Any]]:
     if name == "image":
         return lambda: make_vec_env(lambda: BoxObsEnv(spaces.Discrete(3), image=True), n_envs=2, seed=1), "CnnPolicy", {}
     return lambda: box_env(name), "MlpPolicy", {}
+
+
+# --- seeded factories of the envs that the AlgoCases of tests/algo_cases.py learn on ---
+
+
+def seeded_envs(env_id: str, n_envs: int, seed: int, max_episode_steps: int | None = None) -> Callable[[], VecEnv]:
+    """
+    :param max_episode_steps: a short time limit, so that a short rollout holds episode starts and timeout
+        bootstraps
+    :return: a factory of equal, seeded vectorised envs
+    """
+    if max_episode_steps is None:
+        return lambda: make_vec_env(env_id, n_envs=n_envs, seed=seed)
+    return lambda: make_vec_env(lambda: gym.make(env_id, max_episode_steps=max_episode_steps), n_envs=n_envs, seed=seed)
+
+
+def dqn_env(n_envs: int) -> Callable[[], VecEnv]:
+    return seeded_envs("CartPole-v1", n_envs, 3)
+
+
+def image_env(action_space: spaces.Box) -> Callable[[], VecEnv]:
+    """:return: a factory of small seeded uint8-image envs (CNN policies)"""
+    return lambda: make_vec_env(lambda: BoxObsEnv(action_space, image=True), n_envs=2, seed=1)
+
+
+def dict_pendulum_env() -> VecEnv:
+    """:return: Pendulum with its observation in a ``Dict`` (``MultiInputPolicy``), seeded"""
+
+    def make() -> gym.Env:
+        env = gym.make("Pendulum-v1", max_episode_steps=20)
+        space = gym.spaces.Dict({"state": env.observation_space})
+        return gym.wrappers.TransformObservation(env, lambda obs: {"state": obs}, space)
+
+    return make_vec_env(make, n_envs=2, seed=3)
+
+
+def masked_env(env_id: str) -> Callable[[], VecEnv]:
+    """:return: a factory of sb3-contrib's masking test env (short episodes: starts inside one rollout)"""
+    return lambda: make_vec_env(lambda: gym.make(env_id, ep_length=5), n_envs=4, seed=3)
+
+
+class BatchNormExtractor(BaseFeaturesExtractor):
+    """Flat observations through BatchNorm and Dropout: running statistics, and RNG draws in training mode only."""
+
+    def __init__(self, observation_space: gym.Space) -> None:
+        super().__init__(observation_space, get_flattened_obs_dim(observation_space))
+        self.net = th.nn.Sequential(th.nn.Flatten(), th.nn.BatchNorm1d(self.features_dim), th.nn.Dropout(0.2))
+
+    def forward(self, observations: th.Tensor) -> th.Tensor:
+        return self.net(observations)
