@@ -21,7 +21,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
 from stable_baselines3.common.vec_env import VecEnv
-from gymnasium.spaces import Box
+from gymnasium.spaces import Box, Discrete
 
 from sb3_speedups import A2C, DDPG, DQN, PPO, SAC, TD3, RecurrentPPO
 from sb3_speedups.ppo_mask import MaskablePPO
@@ -279,6 +279,11 @@ CASES = [
     ),
     AlgoCase(
         "dqn-dueling", DQN, None, dqn_env(1), {**SEEDED_DQN, "policy_kwargs": dict(net_arch=[16, 8], dueling=True)},
+        **{**DQN_CASE, "engine": "AutogradQUpdate", "learn_steps": 400},
+    ),
+    AlgoCase(
+        "dqn-cnn", DQN, stable_baselines3.DQN, image_env(Discrete(3)),
+        {**SEEDED_DQN, "policy_kwargs": dict(net_arch=[16])}, policy="CnnPolicy",
         **{**DQN_CASE, "engine": "AutogradQUpdate", "learn_steps": 400},
     ),
     AlgoCase("sac", SAC, stable_baselines3.SAC, seeded_envs("Pendulum-v1", 1, 3), OFF_POLICY_SMALL, **SAC_CASE),

@@ -161,10 +161,17 @@ def test_multi_env_actions_are_one_batched_greedy_call():
     assert actions.shape == (4,) and buffer_actions is actions
 
 
-def test_dict_observations_train_with_the_autograd_update():
+def test_dict_observations_train_with_the_autograd_update_and_the_flat_adam():
     dict_model = DQN("MultiInputPolicy", SimpleMultiObsEnv(random_start=False), seed=0, **{**SMALL, "learning_starts": 50})
     dict_model.learn(200)
-    assert isinstance(dict_model._speedups.updater, AutogradQUpdate) and dict_model._n_updates > 0
+    updater = dict_model._speedups.updater
+    assert isinstance(updater, AutogradQUpdate) and dict_model._n_updates > 0
+    assert updater.optimizer_step.adam is not None and updater.is_bound()  # one fused Adam step over a flat buffer
+    # another optimizer class: its own calls, as stock's
+    kwargs = {**SMALL, "learning_starts": 50, "policy_kwargs": dict(net_arch=[32, 32], optimizer_class=th.optim.SGD)}
+    sgd = DQN("MultiInputPolicy", SimpleMultiObsEnv(random_start=False), seed=0, **kwargs)
+    sgd.learn(200)
+    assert sgd._speedups.updater.optimizer_step.adam is None and sgd._n_updates > 0
 
 
 def test_vecnormalize_env_trains():

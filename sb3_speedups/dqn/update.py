@@ -25,7 +25,7 @@ from stable_baselines3.dqn.policies import DQNPolicy, QNetwork
 from sb3_speedups.common.nn.mlp import parse_output_mlp
 from sb3_speedups.common.nn.training import MlpChain
 from sb3_speedups.common.nn.flat import FlatParameters
-from sb3_speedups.common.nn.optim import FlatAdam, adam_unsupported_reason
+from sb3_speedups.common.nn.optim import FlatAdam, FlatOptimizerStep, adam_unsupported_reason
 
 
 def q_mlp_unsupported_reason(policy: DQNPolicy) -> str | None:
@@ -148,17 +148,23 @@ class HandDerivedQUpdate:
 
 class AutogradQUpdate:
     """
-    The stock DQN update step with autograd, for any Q-network.
+    The stock DQN update step with autograd, for any Q-network (CNN, dueling, ``Dict`` observations): the stock loss,
+    its gradient into one flat buffer and one fused Adam step where the optimizer is a plain Adam over the Q-network
+    (:class:`~sb3_speedups.common.nn.optim.FlatOptimizerStep`), else the optimizer's own calls.
 
-    :param policy: the DQN policy (its ``q_net`` and ``optimizer`` are used as they are)
+    :param policy: the DQN policy (its ``q_net`` and ``optimizer``)
     """
 
     def __init__(self, policy: DQNPolicy) -> None:
         self.policy = policy
+        self.optimizer_step = FlatOptimizerStep(policy.q_net, policy.optimizer)
 
     def is_bound(self, optimizer: bool = True) -> bool:
-        """:return: always ``True`` (nothing is rebound)"""
-        return True
+        """
+        :param optimizer: check the optimizer too (acting reads the module's parameters wherever they live)
+        :return: whether the optimizer and its state are still the ones the flat step drives
+        """
+        return not optimizer or self.optimizer_step.is_bound(self.policy.optimizer)
 
     @th.no_grad()
     def q_values(self, obs: th.Tensor) -> th.Tensor:
@@ -176,9 +182,6 @@ class AutogradQUpdate:
         """Same contract as :meth:`HandDerivedQUpdate.step`."""
         q = th.gather(self.policy.q_net(obs), dim=1, index=actions.long())
         loss = F.smooth_l1_loss(q, target) if weights is None else huber_(q - target, weights)
-        optimizer = self.policy.optimizer
-        optimizer.zero_grad()
-        loss.backward()
-        th.nn.utils.clip_grad_norm_(self.policy.parameters(), max_grad_norm)
-        optimizer.step()
+        self.optimizer_step.backward(loss)
+        self.optimizer_step.step(max_grad_norm)  # the target network has no gradients: the Q-network's norm, as stock's
         return (q - target).detach()
