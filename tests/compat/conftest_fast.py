@@ -2,8 +2,9 @@
 Copied as ``conftest.py`` next to SB3's / sb3-contrib's own tests by ``tests/compat/run.py``: before their modules
 import, every stock class that we have a fast drop-in for (the registry's ``fast`` entries, and SB3's
 ``SubprocVecEnv``) is replaced by ours wherever the stock package exposes it. With ``SB3_SPEEDUPS_COMPAT_STOCK=1`` it
-replaces nothing (the same tests against the stock classes). Each test's outcome is written, one JSON line each, to
-the file named by ``SB3_SPEEDUPS_COMPAT_OUTCOMES``.
+replaces nothing (the same tests against the stock classes). ``SB3_SPEEDUPS_COMPAT_SEED_OFFSET=k`` adds ``k`` to the
+``seed`` every algorithm is made with (the runner's seed sweep of a learning test). Each test's outcome is written, one
+JSON line each, to the file named by ``SB3_SPEEDUPS_COMPAT_OUTCOMES``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,20 @@ if os.environ.get("SB3_SPEEDUPS_COMPAT_STOCK") != "1":
         if spec.fast is not None:
             _substitute(import_object(spec.stock), import_object(spec.fast))
     _substitute(SubprocVecEnv, BatchedSubprocVecEnv)
+
+
+SEED_OFFSET = int(os.environ.get("SB3_SPEEDUPS_COMPAT_SEED_OFFSET", "0"))
+if SEED_OFFSET:
+    from stable_baselines3.common.base_class import BaseAlgorithm
+
+    _init = BaseAlgorithm.__init__
+
+    def _init_with_offset(self: BaseAlgorithm, *args: object, **kwargs: object) -> None:
+        if isinstance(kwargs.get("seed"), int):
+            kwargs["seed"] = int(kwargs["seed"]) + SEED_OFFSET  # type: ignore[call-overload]
+        _init(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    BaseAlgorithm.__init__ = _init_with_offset  # type: ignore[method-assign]
 
 
 def pytest_report_header() -> str:
