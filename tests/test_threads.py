@@ -1,4 +1,7 @@
-"""Torch's thread count follows the work: convolutions get every core (as stock runs), small MLPs one, a user's wins."""
+"""
+Torch's settings follow the work: convolutions get every core (as stock runs), small MLPs one, a user's choice wins;
+convolutions train on channels-last inputs.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import pytest
 import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.env_util import make_vec_env
+from stable_baselines3.common.vec_env import VecFrameStack
 
 from sb3_speedups import A2C, DQN, PPO, SAC, RecurrentPPO
 from sb3_speedups.common import torch_utils
@@ -44,3 +48,26 @@ def test_convolutions_get_torch_default_threads_and_mlps_one(cls, policy, action
     assert th.get_num_threads() == 1
     cls(policy, env(True), seed=0, num_threads=1, **kwargs)  # the user's choice wins
     assert th.get_num_threads() == 1
+
+
+TRAINED_CNNS = [
+    (PPO, {"n_steps": 16, "batch_size": 16}),
+    (A2C, {"n_steps": 8}),
+    (DQN, {"learning_starts": 8, "buffer_size": 64}),
+]
+
+
+@pytest.mark.parametrize("cls, kwargs", TRAINED_CNNS, ids=[c[0].__name__ for c in TRAINED_CNNS])
+def test_convolutions_train_on_channels_last_inputs(cls, kwargs):
+    # 4 stacked channels: a one-channel image is contiguous in both memory orders
+    env = VecFrameStack(make_vec_env(lambda: BoxObsEnv(DISCRETE, image=True), n_envs=1, seed=0), 4)
+    model = cls("CnnPolicy", env, seed=0, **kwargs)
+    first_conv = next(m for m in model.policy.modules() if isinstance(m, th.nn.Conv2d))
+    seen: dict[bool, set[bool]] = {True: set(), False: set()}  # grad enabled (training) -> channels-last inputs seen
+
+    def record(module, inputs):
+        seen[th.is_grad_enabled()].add(inputs[0].is_contiguous(memory_format=th.channels_last))
+
+    first_conv.register_forward_pre_hook(record)
+    model.learn(32)
+    assert seen[True] == {True}  # acting's inputs come as they are (VecTransposeImage's views are channels-last already)

@@ -23,7 +23,7 @@ from stable_baselines3.common.type_aliases import DictRolloutBufferSamples, Roll
 from sb3_speedups.common.nn.heads import ActionHead
 from sb3_speedups.common.nn.optim import FlatOptimizerStep, make_flat_optimizer
 from sb3_speedups.common.nn.actor_critic_mlp import ActorCriticMlp
-from sb3_speedups.common.torch_utils import KeptScalar
+from sb3_speedups.common.torch_utils import KeptScalar, to_channels_last, trains_channels_last
 
 #: the statistics of one update, in the order of its stats tensor (what stock A2C logs)
 A2C_STATS = ("policy_loss", "value_loss", "entropy_loss")
@@ -192,6 +192,7 @@ class AutogradA2CUpdate:
         self.policy = policy
         self.step = FlatOptimizerStep(policy, policy.optimizer, rmsprop=True)
         self._discrete = isinstance(policy.action_space, spaces.Discrete)
+        self._channels_last = trains_channels_last(policy, policy.device)
 
     def is_bound(self) -> bool:
         """:return: whether the policy's parameters, gradients and optimizer state are still ours"""
@@ -204,7 +205,8 @@ class AutogradA2CUpdate:
         :return: the statistics (:data:`A2C_STATS`)
         """
         actions = data.actions.long().flatten() if self._discrete else data.actions
-        values, log_prob, entropy = self.policy.evaluate_actions(data.observations, actions)  # type: ignore[arg-type]
+        obs = to_channels_last(data.observations) if self._channels_last else data.observations
+        values, log_prob, entropy = self.policy.evaluate_actions(obs, actions)  # type: ignore[arg-type]
         loss, stats = a2c_loss(log_prob, entropy, values.flatten(), data.advantages, data.returns, cfg)
         self.step.backward(loss)
         self.step.step(cfg.max_grad_norm)

@@ -36,6 +36,29 @@ def has_convolutions(module: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.conv._ConvNd) for m in module.modules())
 
 
+def trains_channels_last(module: nn.Module, device: th.device) -> bool:
+    """
+    :param module: a network that is trained
+    :param device: where it trains
+    :return: whether its training forward and backward should get image inputs in channels-last memory order: it
+        has 2-D convolutions and runs on the CPU, where oneDNN's convolution backward is faster in that order (the
+        same values and shapes; acting's forward is not faster, so only training converts)
+    """
+    return device.type == "cpu" and any(isinstance(m, nn.Conv2d) for m in module.modules())
+
+
+def to_channels_last(observations: th.Tensor | dict[str, th.Tensor]) -> th.Tensor | dict[str, th.Tensor]:
+    """:return: ``observations`` with their 4-D tensors (a dict's entries too) in channels-last memory order"""
+    if isinstance(observations, dict):
+        return {k: _channels_last(v) for k, v in observations.items()}
+    return _channels_last(observations)
+
+
+def _channels_last(tensor: th.Tensor) -> th.Tensor:
+    # converted before the float scaling of SB3's preprocessing, which keeps the order: a uint8 copy is the cheap one
+    return tensor.contiguous(memory_format=th.channels_last) if tensor.dim() == 4 else tensor
+
+
 def apply_num_threads(num_threads: int | None, network: nn.Module | None = None) -> int:
     """
     Set torch's intra-op threads: ``num_threads`` when given, else, unless the user already chose a value, the

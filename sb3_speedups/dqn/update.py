@@ -26,6 +26,7 @@ from sb3_speedups.common.nn.mlp import parse_output_mlp
 from sb3_speedups.common.nn.training import MlpChain
 from sb3_speedups.common.nn.flat import FlatParameters
 from sb3_speedups.common.nn.optim import FlatAdam, FlatOptimizerStep, adam_unsupported_reason
+from sb3_speedups.common.torch_utils import to_channels_last, trains_channels_last
 
 
 def q_mlp_unsupported_reason(policy: DQNPolicy) -> str | None:
@@ -158,6 +159,7 @@ class AutogradQUpdate:
     def __init__(self, policy: DQNPolicy) -> None:
         self.policy = policy
         self.optimizer_step = FlatOptimizerStep(policy.q_net, policy.optimizer)
+        self._channels_last = trains_channels_last(policy.q_net, policy.device)
 
     def is_bound(self, optimizer: bool = True) -> bool:
         """
@@ -180,7 +182,8 @@ class AutogradQUpdate:
         max_grad_norm: float,
     ) -> th.Tensor:
         """Same contract as :meth:`HandDerivedQUpdate.step`."""
-        q = th.gather(self.policy.q_net(obs), dim=1, index=actions.long())
+        q_values = self.policy.q_net(to_channels_last(obs) if self._channels_last else obs)
+        q = th.gather(q_values, dim=1, index=actions.long())
         loss = F.smooth_l1_loss(q, target) if weights is None else huber_(q - target, weights)
         self.optimizer_step.backward(loss)
         self.optimizer_step.step(max_grad_norm)  # the target network has no gradients: the Q-network's norm, as stock's

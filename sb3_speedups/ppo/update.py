@@ -44,6 +44,7 @@ from sb3_speedups.common.on_policy.ppo_loss import (
     ppo_loss,
 )
 from sb3_speedups.ppo.minibatches import Minibatch, MinibatchSampler
+from sb3_speedups.common.torch_utils import to_channels_last, trains_channels_last
 
 __all__ = ["STATS", "VALUE_LOSS", "AutogradPPOUpdate", "HandDerivedPPOUpdate", "PPOLossConfig", "TrainHooks", "approx_kl"]
 
@@ -293,6 +294,7 @@ class AutogradPPOUpdate(TrainHooks):
         self.step = FlatOptimizerStep(policy, policy.optimizer)
         self.flat, self.adam = self.step.flat, self.step.adam
         self._discrete = isinstance(policy.action_space, spaces.Discrete)
+        self._channels_last = trains_channels_last(policy, policy.device)
         loss_fn: Callable[..., tuple[th.Tensor, th.Tensor]] = self._loss
         self._loss_fn = th.compile(loss_fn) if compile_loss else loss_fn
         self._pending: th.Tensor | None = None
@@ -309,6 +311,8 @@ class AutogradPPOUpdate(TrainHooks):
 
     def _evaluate(self, obs: Any, actions: th.Tensor) -> tuple[th.Tensor, th.Tensor, th.Tensor | None]:
         policy = self.policy
+        if self._channels_last:
+            obs = to_channels_last(obs)
         if self.head is None:
             values, log_prob, entropy = policy.evaluate_actions(obs, actions.long().flatten() if self._discrete else actions)
             return values.flatten(), log_prob, entropy
