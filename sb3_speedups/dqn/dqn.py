@@ -51,7 +51,11 @@ from sb3_speedups.common.torch_utils import (
     update_num_threads,
 )
 from sb3_speedups.dqn.policies import DUELING_POLICIES
+from sb3_speedups.common.replay.frames import FrameStackReplayBuffer
 from sb3_speedups.errors import UserValueError
+
+# Buffers that compute n-step returns themselves (given n_steps and gamma), where SB3 would ignore n_steps
+_N_STEP_BUFFERS = (PrioritizedReplayBuffer, FrameStackReplayBuffer)
 
 SelfDQN = TypeVar("SelfDQN", bound="DQN")
 
@@ -116,8 +120,8 @@ class DQN(FastModel, FastOffPolicyCollection, stable_baselines3.DQN):
             policy_kwargs["dueling"] = True
         n_steps = int(kwargs.pop("n_steps", 1))
         buffer_class = kwargs.get("replay_buffer_class")
-        if n_steps > 1 and isinstance(buffer_class, type) and issubclass(buffer_class, PrioritizedReplayBuffer):
-            # SB3 only wires n_steps into its own NStepReplayBuffer; the prioritised one computes the same returns.
+        if n_steps > 1 and isinstance(buffer_class, type) and issubclass(buffer_class, _N_STEP_BUFFERS):
+            # SB3 only wires n_steps into its own NStepReplayBuffer; ours compute the same returns.
             buffer_kwargs = dict(kwargs.get("replay_buffer_kwargs") or {})
             buffer_kwargs.setdefault("n_steps", n_steps)
             buffer_kwargs.setdefault("gamma", kwargs.get("gamma", 0.99))
@@ -142,7 +146,7 @@ class DQN(FastModel, FastOffPolicyCollection, stable_baselines3.DQN):
 
     def _setup_model(self) -> None:
         n_steps = self.n_steps
-        if isinstance(self.replay_buffer_class, type) and issubclass(self.replay_buffer_class, PrioritizedReplayBuffer):
+        if isinstance(self.replay_buffer_class, type) and issubclass(self.replay_buffer_class, _N_STEP_BUFFERS):
             self.n_steps = 1  # the buffer has them (see __init__); SB3 would warn that they are ignored
         try:
             super()._setup_model()
@@ -154,8 +158,8 @@ class DQN(FastModel, FastOffPolicyCollection, stable_baselines3.DQN):
             and not batched_sampling_supported(self.replay_buffer)
         ):
             raise UserValueError(
-                f"combined_replay=True needs the stock ReplayBuffer, not {type(self.replay_buffer).__name__}: "
-                "drop replay_buffer_class or combined_replay"
+                f"combined_replay=True needs one-step transitions from the stock ReplayBuffer or a FrameStackReplayBuffer, "
+                f"not {type(self.replay_buffer).__name__}: drop replay_buffer_class, n_steps or combined_replay"
             )
 
     # ----- speed-only state ---------------------------------------------------------------------------------------

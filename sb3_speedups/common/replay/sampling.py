@@ -18,6 +18,8 @@ from stable_baselines3.common.buffers import NStepReplayBuffer, ReplayBuffer
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from stable_baselines3.common.vec_env import VecNormalize
 
+from sb3_speedups.common.replay.frames import FrameStackReplayBuffer, StackedFrames
+
 # Above this many bytes of observations per train() call, the minibatches are gathered in several chunks.
 CHUNK_BYTES = 64 * 2**20
 
@@ -32,17 +34,18 @@ class IndexDraw(NamedTuple):
 def batched_sampling_supported(buffer: object) -> bool:
     """
     :param buffer: the replay buffer
-    :return: whether :func:`draw_indices` reproduces its ``sample`` (stock ``ReplayBuffer``); other buffers in
-        :func:`sample_minibatches` are sampled with their own ``sample`` per minibatch
+    :return: whether :func:`draw_indices` reproduces its ``sample`` (stock ``ReplayBuffer``, and
+        ``FrameStackReplayBuffer`` without n-step returns); other buffers in :func:`sample_minibatches` are sampled
+        with their own ``sample`` per minibatch
     """
-    return type(buffer) is ReplayBuffer
+    return type(buffer) is ReplayBuffer or (type(buffer) is FrameStackReplayBuffer and buffer.n_steps == 1)
 
 
 def draw_indices(buffer: ReplayBuffer, batch_size: int, n_batches: int) -> IndexDraw:
     """
     Draw the indices of ``n_batches`` minibatches exactly as ``n_batches`` calls of ``ReplayBuffer.sample`` would.
 
-    :param buffer: a stock ``ReplayBuffer`` (see :func:`batched_sampling_supported`)
+    :param buffer: a buffer that :func:`batched_sampling_supported` accepts
     :param batch_size: transitions per minibatch
     :param n_batches: number of minibatches
     :return: ``n_batches * batch_size`` positions and env columns, minibatch after minibatch
@@ -87,7 +90,8 @@ def gather(buffer: ReplayBuffer, draw: IndexDraw, env: VecNormalize | None = Non
     """
     The transitions at ``draw``, as ``ReplayBuffer._get_samples`` builds them (one conversion for all of them).
 
-    :param buffer: a stock ``ReplayBuffer``
+    :param buffer: a buffer that :func:`batched_sampling_supported` accepts (a ``FrameStackReplayBuffer``'s stacks
+        are rebuilt from its frames for all of them at once)
     :param draw: positions and env columns
     :param env: the ``VecNormalize`` wrapper to normalise with, if any
     """
@@ -118,11 +122,13 @@ def gather(buffer: ReplayBuffer, draw: IndexDraw, env: VecNormalize | None = Non
     return ReplayBufferSamples(*(buffer.to_torch(x) for x in data))  # type: ignore[arg-type]
 
 
-def _take(storage: np.ndarray, rows: np.ndarray) -> np.ndarray:
+def _take(storage: np.ndarray | StackedFrames, rows: np.ndarray) -> np.ndarray:
     """
     :return: ``storage[b, e]`` for flat rows ``b * n_envs + e`` of a ``[positions, envs, ...]`` storage array: the
         same elements as stock's two-array fancy indexing, for a fraction of its per-call cost
     """
+    if isinstance(storage, StackedFrames):
+        return storage.take(rows)
     if not storage.flags.c_contiguous:  # a reshape would copy the whole storage: index it as stock does
         return storage[rows // storage.shape[1], rows % storage.shape[1]]
     return storage.reshape(-1, *storage.shape[2:]).take(rows, axis=0)
@@ -145,13 +151,14 @@ def sample_minibatches(
     """
     ``n_batches`` minibatches, concatenated, equal to what ``n_batches`` calls of ``buffer.sample`` return.
 
-    :param buffer: a stock ``ReplayBuffer`` (one index draw, one gather) or ``NStepReplayBuffer`` (its own
-        ``sample`` per minibatch: its n-step sums are not vectorised here)
+    :param buffer: a stock ``ReplayBuffer`` or a ``FrameStackReplayBuffer`` (one index draw, one gather), or an
+        n-step buffer (its own ``sample`` per minibatch: its n-step sums are not vectorised here)
     :param batch_size: transitions per minibatch
     :param n_batches: number of minibatches
     :param env: the ``VecNormalize`` wrapper, if any
     :param combined: combined experience replay (Zhang & Sutton 2017): the first ``n_envs`` rows of every
-        minibatch are the newest transitions (one per env); needs a stock ``ReplayBuffer``
+        minibatch are the newest transitions (one per env); needs a buffer that :func:`batched_sampling_supported`
+        accepts
     :return: ``ReplayBufferSamples`` with ``n_batches * batch_size`` rows
     """
     if batched_sampling_supported(buffer):
@@ -163,13 +170,15 @@ def sample_minibatches(
                 arr.reshape(n_batches, batch_size)[:, :rows] = new[:rows]
         return gather(buffer, draw, env)
     if combined:
-        raise ValueError(f"combined replay needs a stock ReplayBuffer, not {type(buffer).__name__}")
+        raise ValueError(
+            f"combined replay needs a stock ReplayBuffer or a one-step FrameStackReplayBuffer, not {type(buffer).__name__}"
+        )
     return _concat([buffer.sample(batch_size, env=env) for _ in range(n_batches)])
 
 
 def batchable(buffer: object) -> bool:
     """:return: whether :func:`sample_minibatches` can sample ahead for this buffer (its draws ignore the network)"""
-    return type(buffer) in (ReplayBuffer, NStepReplayBuffer)
+    return type(buffer) in (ReplayBuffer, NStepReplayBuffer, FrameStackReplayBuffer)
 
 
 def chunk_sizes(n_batches: int, batch_size: int, buffer: ReplayBuffer) -> Iterator[int]:
