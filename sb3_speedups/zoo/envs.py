@@ -9,13 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
+from stable_baselines3.common.atari_wrappers import AtariWrapper
 from stable_baselines3.common.preprocessing import is_image_space, is_image_space_channels_first
 from stable_baselines3.common.vec_env import VecEnv, VecFrameStack, VecNormalize, VecTransposeImage, is_vecenv_wrapped
 
 import sb3_speedups.envs  # noqa: F401  (registers CartPoleNoVel-v1 & co.)
 from sb3_speedups.common.env_util import make_vec_env
 from sb3_speedups.common.vec_env.adapters import VectorAdapter
-from sb3_speedups.errors import UserError
+from sb3_speedups.common.vec_env.ale import AleVecEnv
+from sb3_speedups.errors import UserError, UserValueError
 from sb3_speedups.registry import import_object
 from sb3_speedups.zoo.hyperparams import Hyperparams
 
@@ -26,6 +28,7 @@ VEC_ENV_CLASSES: dict[str, str] = {
     "batched": "sb3_speedups.common.vec_env:BatchedSubprocVecEnv",
     "envpool": "sb3_speedups.common.vec_env.adapters:EnvPoolVecEnv",
     "gym_vector": "sb3_speedups.common.vec_env.adapters:GymVectorVecEnv",
+    "ale": "sb3_speedups.common.vec_env.ale:AleVecEnv",  # needs the extra sb3-speedups[atari]
     "ray": "sb3_speedups.common.vec_env.ray_vec_env:RayVecEnv",  # needs the extra sb3-speedups[ray]
 }
 
@@ -138,6 +141,32 @@ def _maybe_transpose(env: VecEnv) -> VecEnv:
     return env
 
 
+def ale_settings(env_id: str, hyperparams: Hyperparams, vec_env_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """
+    ``AleVecEnv``'s arguments for the hyperparameters' ``AtariWrapper`` and ``frame_stack``, which ALE does itself.
+
+    :param env_id: gymnasium id
+    :param hyperparams: preprocessed hyperparameters
+    :param vec_env_kwargs: extra ``AleVecEnv`` arguments
+    :return: ``AtariWrapper``'s keyword arguments and ``n_stack`` (as ``vec_env_kwargs``), ALE's stack included
+    """
+    others = [wrapper.__name__ for wrapper, _ in hyperparams.env_wrappers if wrapper is not AtariWrapper]
+    if others:
+        raise UserValueError(f"--vec-env ale cannot apply env_wrapper {', '.join(others)} in ALE; use another --vec-env")
+    if not hyperparams.env_wrappers:
+        raise UserValueError(
+            f"--vec-env ale does AtariWrapper's preprocessing, which {env_id}'s hyperparameters do not ask for; "
+            "add env_wrapper AtariWrapper or use another --vec-env"
+        )
+    n_stack = int(hyperparams.frame_stack or 1)
+    kwargs = dict(vec_env_kwargs or {})
+    if kwargs.setdefault("n_stack", n_stack) != n_stack:
+        raise UserValueError(f"frame_stack {n_stack} of the hyperparameters differs from n_stack {kwargs['n_stack']} of ALE")
+    for _, wrapper_kwargs in hyperparams.env_wrappers:
+        kwargs.update(wrapper_kwargs)
+    return kwargs
+
+
 def make_env(
     env_id: str,
     hyperparams: Hyperparams,
@@ -167,6 +196,10 @@ def make_env(
     vec_env_cls = vec_env_class(vec_env)
     # The adapters build the whole batch from the id; the others get one make_single_env per env.
     adapter = issubclass(vec_env_cls, VectorAdapter)
+    # ALE stacks the frames and does AtariWrapper's work in C++: they are its arguments, not wrappers.
+    ale = issubclass(vec_env_cls, AleVecEnv)
+    if ale:
+        vec_env_kwargs = ale_settings(env_id, hyperparams, vec_env_kwargs)
     try:
         env: VecEnv = make_vec_env(
             env_id if adapter else make_single_env,
@@ -174,7 +207,7 @@ def make_env(
             seed=seed,
             env_kwargs=dict(hyperparams.env_kwargs) if adapter else {"env_id": env_id, **hyperparams.env_kwargs},
             monitor_dir=None if monitor_dir is None else str(monitor_dir),
-            wrapper_class=WrapperChain(hyperparams.env_wrappers) if hyperparams.env_wrappers else None,
+            wrapper_class=WrapperChain(hyperparams.env_wrappers) if hyperparams.env_wrappers and not ale else None,
             vec_env_cls=vec_env_cls,
             vec_env_kwargs=vec_env_kwargs,
             monitor_kwargs=hyperparams.monitor_kwargs,
@@ -193,6 +226,6 @@ def make_env(
         if eval_env:
             kwargs.update(norm_reward=False, training=False)
         env = VecNormalize(env, **kwargs)
-    if hyperparams.frame_stack:
+    if hyperparams.frame_stack and not ale:
         env = VecFrameStack(env, int(hyperparams.frame_stack))
     return _maybe_transpose(env)
