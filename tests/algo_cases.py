@@ -191,8 +191,11 @@ A2C_BOX = dict(
 # sums over a batch's pixels, which Adam's normalised steps carry into the parameters: at most 5e-7 measured here
 # (ppo-cnn, a2c-cnn, dqn-cnn on a 2-core AMD EPYC), under a tolerance of 1e-5
 CNN_ON_POLICY = dict(
-    exact=("observations", "episode_starts"), close=("actions", "values", "log_probs", "returns", "advantages"),
-    buffer_atol=1e-3, param_atol=1e-5, predict_atol=0,
+    exact=("observations", "episode_starts"),
+    close=("actions", "values", "log_probs", "returns", "advantages"),
+    buffer_atol=1e-3,
+    param_atol=1e-5,
+    predict_atol=0,
     learn_steps=224,  # 7 rollouts of 16 steps x 2 envs; the last holds two starts of each env's 12-step episodes
 )
 
