@@ -5,6 +5,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch as th
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -13,6 +14,15 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 def log_folder(tmp_path: Path) -> Path:
     """A fresh log folder."""
     return tmp_path / "logs"
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """The models of a test are tiny: one thread, as the package's own default, keeps them fast on a busy machine."""
+    threads = th.get_num_threads()
+    th.set_num_threads(1)
+    yield
+    th.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,7 @@ import numpy as np
 import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.env_util import make_vec_env
+from sb3_contrib.common.envs import InvalidActionEnvDiscrete
 from stable_baselines3.common.envs import SimpleMultiObsEnv
 from stable_baselines3.common.preprocessing import get_flattened_obs_dim
 from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
@@ -63,7 +64,44 @@ def box_env(name, n_envs=4, seed=0):
     return make_vec_env(lambda: BoxObsEnv(ACTION_SPACES[name]), n_envs=n_envs, seed=seed)
 
 
-ROLLOUT_CASES = [*ACTION_SPACES, "cartpole", "cartpole_fallback", "box_sde", "dict", "image"]
+class CodeObsEnv(BoxObsEnv):
+    """
+    :class:`BoxObsEnv`'s episodes with ``Discrete``, ``MultiDiscrete`` or ``MultiBinary`` observations (SB3 one-hot
+    encodes the first two) and ``Discrete(3)`` actions, rewarded for naming the observation's sum modulo 3.
+    """
+
+    def __init__(self, observation_space: spaces.Space, episode_length: int = 12) -> None:
+        super().__init__(spaces.Discrete(3), episode_length)
+        self.observation_space = observation_space
+
+    def _observe(self):
+        space = self.observation_space
+        if isinstance(space, spaces.Discrete):
+            return int(self.np_random.integers(space.n))
+        if isinstance(space, spaces.MultiDiscrete):
+            return self.np_random.integers(space.nvec).astype(space.dtype)
+        return self.np_random.integers(0, 2, space.shape).astype(space.dtype)
+
+    def step(self, action):
+        self.t += 1
+        reward = float(int(action) == int(np.sum(self.state)) % 3)
+        self.state = self._observe()
+        return self.state, reward, False, self.t >= self.episode_length, {}
+
+
+OBSERVATION_SPACES = {
+    "obs_discrete": spaces.Discrete(7),
+    "obs_multidiscrete": spaces.MultiDiscrete([3, 5, 2]),
+    "obs_multibinary": spaces.MultiBinary(6),
+}
+
+
+def code_env(name: str, n_envs: int = 4, seed: int = 0) -> VecEnv:
+    """:return: seeded :class:`CodeObsEnv` envs with the observation space :data:`OBSERVATION_SPACES` names"""
+    return make_vec_env(lambda: CodeObsEnv(OBSERVATION_SPACES[name]), n_envs=n_envs, seed=seed)
+
+
+ROLLOUT_CASES = [*ACTION_SPACES, *OBSERVATION_SPACES, "cartpole", "cartpole_fallback", "box_sde", "dict", "image"]
 
 
 def rollout_case(name: str) -> tuple[Callable[[], VecEnv], str, dict[str, Any]]:
@@ -77,6 +115,8 @@ def rollout_case(name: str) -> tuple[Callable[[], VecEnv], str, dict[str, Any]]:
         return lambda: make_vec_env(lambda: SimpleMultiObsEnv(random_start=True), n_envs=2, seed=1), "MultiInputPolicy", {}
     if name == "image":
         return lambda: make_vec_env(lambda: BoxObsEnv(spaces.Discrete(3), image=True), n_envs=2, seed=1), "CnnPolicy", {}
+    if name in OBSERVATION_SPACES:
+        return lambda: code_env(name), "MlpPolicy", {}
     return lambda: box_env(name), "MlpPolicy", {}
 
 
@@ -117,6 +157,19 @@ def dict_pendulum_env() -> VecEnv:
 def masked_env(env_id: str) -> Callable[[], VecEnv]:
     """:return: a factory of sb3-contrib's masking test env (short episodes: starts inside one rollout)"""
     return lambda: make_vec_env(lambda: gym.make(env_id, ep_length=5), n_envs=4, seed=3)
+
+
+def masked_discrete_obs_env(dim: int, n_invalid_actions: int) -> Callable[[], VecEnv]:
+    """:return: a factory of sb3-contrib's ``InvalidActionEnvDiscrete``, whose observations are ``Discrete(dim)``"""
+    return lambda: make_vec_env(
+        lambda: InvalidActionEnvDiscrete(dim=dim, ep_length=5, n_invalid_actions=n_invalid_actions), n_envs=4, seed=3
+    )
+
+
+def code_envs(name: str, seed: int = 3) -> Callable[[], VecEnv]:
+    """:return: a factory of seeded :func:`code_env` envs (episodes of 6 steps: starts and timeouts in a rollout)"""
+    space = OBSERVATION_SPACES[name]
+    return lambda: make_vec_env(lambda: CodeObsEnv(space, episode_length=6), n_envs=4, seed=seed)
 
 
 class BatchNormExtractor(BaseFeaturesExtractor):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gymnasium as gym
 import numpy as np
 import pytest
-import torch as th
 from gymnasium.vector import AutoresetMode
 from stable_baselines3 import PPO
 from stable_baselines3.common.vec_env import DummyVecEnv, VecMonitor
@@ -20,13 +19,7 @@ from tests.vec_env_helpers import assert_same, assert_same_step, random_actions
 pytest.importorskip("envpool")
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """The models here are tiny: one thread, as the package's own default, keeps them fast on a busy machine."""
-    threads = th.get_num_threads()
-    th.set_num_threads(1)
-    yield
-    th.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def check_sb3_semantics(venv, n_steps: int, reset_bound: float = 0.05) -> dict[str, int]:

@@ -8,7 +8,6 @@ import warnings
 import gymnasium as gym
 import numpy as np
 import pytest
-import torch as th
 from stable_baselines3 import PPO as StockPPO
 from stable_baselines3.common import atari_wrappers
 from stable_baselines3.common.evaluation import evaluate_policy
@@ -31,13 +30,7 @@ BREAKOUT = "BreakoutNoFrameskip-v4"
 MSPACMAN = "MsPacmanNoFrameskip-v4"  # no FIRE action: its resets are the same in ALE and in SB3's wrappers
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """The models here are tiny: one thread keeps them fast on a busy machine."""
-    threads = th.get_num_threads()
-    th.set_num_threads(1)
-    yield
-    th.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def stock_stack(env_id: str, n_envs: int, seed: int, **wrapper_kwargs) -> VecEnv:

@@ -220,3 +220,31 @@ def test_copy_of_a_gsde_policy_after_training():
     assert model.policy.action_dist.exploration_mat is exploration  # the original is left as it was
     obs = np.zeros((3, 3), np.float32)
     th.testing.assert_close(actor.predict_values(obs), model.policy.predict_values(th.as_tensor(obs)).view(-1).detach())
+
+
+OBSERVATION_SPACES = {
+    "discrete": spaces.Discrete(7),
+    "multidiscrete": spaces.MultiDiscrete([3, 5, 2]),
+    "multibinary": spaces.MultiBinary(4),
+}
+
+
+@pytest.mark.parametrize("n", [8, 64])  # numpy acting for a few rows, torch for many (numpy's BLAS threads)
+@pytest.mark.parametrize("name", OBSERVATION_SPACES)
+def test_lean_actor_acts_on_discrete_and_binary_observations(name, n):
+    """SB3 one-hot encodes Discrete/MultiDiscrete observations; the frozen actor gathers the hot columns' weights."""
+    space = OBSERVATION_SPACES[name]
+    space.seed(3)
+    policy = ActorCriticPolicy(space, spaces.Discrete(3), lambda _: 1e-3)
+    actor = FrozenActorCritic(policy, make_head(policy.action_dist, policy.action_space))
+    assert actor._numpy is not None and actor._numpy.accepts(8) and not actor._numpy.accepts(64)
+    obs = np.stack([space.sample() for _ in range(n)])  # as a VecEnv hands them over: [n] for Discrete
+    th.manual_seed(5)
+    with th.no_grad():
+        actions, values, log_probs = policy(th.as_tensor(obs))
+    th.manual_seed(5)
+    our_actions, our_values, our_log_probs = actor.act(obs)
+    np.testing.assert_array_equal(our_actions, actions.numpy())
+    th.testing.assert_close(our_values, values, rtol=0, atol=1e-6)  # gather vs one-hot product: float32 rounding
+    th.testing.assert_close(our_log_probs, log_probs, rtol=0, atol=1e-6)
+    th.testing.assert_close(actor.predict_values(obs), values.view(-1), rtol=0, atol=1e-6)

@@ -7,6 +7,7 @@ import pytest
 import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.policies import ActorCriticPolicy
+from stable_baselines3.common.preprocessing import get_flattened_obs_dim, preprocess_obs
 from torch import nn
 
 from sb3_speedups.common.acting.torch_mlp import TorchMlp
@@ -126,17 +127,26 @@ def test_training_forward_equals_the_module_and_backward_autograd(net_arch, act,
     net = ActorCriticMlp(policy, split=split)
     assert net.stacked is (not split and not isinstance(net_arch, dict))
     x = th.randn(12, 5)
+    _assert_executor_equals_module(net, policy, x, x, split)
+
+
+def _assert_executor_equals_module(net: ActorCriticMlp, policy: ActorCriticPolicy, x: th.Tensor, obs: th.Tensor, split: bool):
+    """
+    ``net``'s forward on its inputs ``x`` against the module's on the observations ``obs``, and its backward against
+    autograd: forward within 1e-6 (batched products, a gather, numpy's kernels against the module's), gradients
+    within rtol 1e-5 (sums over the batch, and index-adds, in another order)
+    """
     if split:
         out, values = net.forward_part(x, 0).clone(), net.forward_part(x, 1).clone()
     else:
         out, values = (t.clone() for t in net.forward(x))
-    latent_pi, latent_vf = policy.mlp_extractor(x)
+    latent_pi, latent_vf = policy.mlp_extractor(policy.extract_features(obs))
     ref_out, ref_values = policy.action_net(latent_pi), policy.value_net(latent_vf)
-    tol = 1e-6  # batched products, and numpy's kernels on the CPU, against the module's
+    tol = 1e-6
     th.testing.assert_close(out, ref_out.detach(), rtol=0, atol=tol)
     th.testing.assert_close(values, ref_values.detach().view(-1), rtol=0, atol=tol)
     th.testing.assert_close(net.predict_values(x), ref_values.detach().view(-1), rtol=0, atol=tol)
-    d_out, d_values = th.randn_like(out), th.randn(12, 1)
+    d_out, d_values = th.randn_like(out), th.randn(len(obs), 1)
     if split:
         net.backward_part(d_out, 0)
         net.backward_part(d_values, 1)
@@ -145,9 +155,8 @@ def test_training_forward_equals_the_module_and_backward_autograd(net_arch, act,
     policy.zero_grad()
     ((ref_out * d_out).sum() + (ref_values * d_values).sum()).backward()
     for p in policy.parameters():
-        if p is policy.log_std:
-            continue
-        th.testing.assert_close(net.flat.grad_of(p), p.grad, rtol=1e-5, atol=1e-6)
+        if p is not policy.log_std:
+            th.testing.assert_close(net.flat.grad_of(p), p.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_training_activations_are_in_place_kernels():
@@ -156,3 +165,70 @@ def test_training_activations_are_in_place_kernels():
         y = x.clone()
         assert activation.torch_(y) is y
         th.testing.assert_close(y, activation.torch(x), rtol=0, atol=0)
+
+
+ONE_HOT_SPACES = {"discrete": spaces.Discrete(7), "multidiscrete": spaces.MultiDiscrete([3, 5, 2])}
+
+
+def _codes(space, n, seed=0):
+    """:return: ``n`` observations of ``space`` as the buffers store them (int64, ``[n, k]``)"""
+    rng = np.random.default_rng(seed)
+    nvec = [space.n] if isinstance(space, spaces.Discrete) else list(space.nvec)
+    return np.stack([rng.integers(k, size=n) for k in nvec], axis=1).astype(np.int64)
+
+
+@pytest.mark.parametrize("act", [nn.ReLU, nn.Tanh])
+@pytest.mark.parametrize("name", ONE_HOT_SPACES)
+def test_one_hot_input_acting_and_blocked_equal_the_module_on_one_hot_rows(name, act):
+    """A one-hot first layer as a gather of the hot columns' weights: what the module computes on SB3's one-hot rows."""
+    space = ONE_HOT_SPACES[name]
+    th.manual_seed(5)
+    a, b = (mlp_module(act, sizes=(get_flattened_obs_dim(space), 16, 16, 3)) for _ in range(2))
+    obs = _codes(space, 10)
+    rows = preprocess_obs(th.as_tensor(obs).view(10, -1) if name == "multidiscrete" else th.as_tensor(obs[:, 0]), space)
+    mlp_a, mlp_b = (parse_mlp(m).map(th.Tensor.detach).observing(space) for m in (a, b))
+    columns = mlp_a.inputs(th.as_tensor(obs))
+    assert columns.dtype == th.int64 and columns.shape == (10, len(mlp_a.one_hot.offsets))
+    with th.no_grad():
+        expected = [a(rows), b(rows)]
+    # The gather adds the k hot weights and the bias in another order than the module's product: float32 rounding
+    # of O(1) values (bit-equal for one component, one addition either way), well under 1e-6.
+    tol = dict(rtol=0, atol=1e-6)
+    th.testing.assert_close(TorchMlp(mlp_a)(columns), expected[0], **tol)
+    stacked = TorchMlp(stack([mlp_a, mlp_b], th.stack))(columns)
+    for g in range(2):
+        th.testing.assert_close(stacked[g], expected[g], **tol)
+    numpy = NumpyMlp(mlp_a)
+    np.testing.assert_allclose(numpy(numpy.inputs(obs)), expected[0].numpy(), **tol)
+    output_mlp = parse_output_mlp(a)
+    assert not isinstance(output_mlp, str)
+    blocked = BlockedMlpForward(output_mlp.observing(space), rows=4)
+    th.testing.assert_close(blocked(columns), expected[0], **tol)
+
+
+ONE_HOT_ARCHS = [([16, 16], nn.Tanh, False), (dict(pi=[16], vf=[8, 8]), nn.ReLU, False), ([16, 16], nn.Tanh, True)]
+
+
+@pytest.mark.parametrize("net_arch,act,split", ONE_HOT_ARCHS)
+@pytest.mark.parametrize("name", ONE_HOT_SPACES)
+def test_one_hot_input_training_equals_the_module_and_backward_autograd(name, net_arch, act, split):
+    """The training executor's gather forward and its index-add weight gradient against autograd on one-hot rows."""
+    space = ONE_HOT_SPACES[name]
+    th.manual_seed(6)
+    policy = ActorCriticPolicy(space, spaces.Box(-1, 1, (2,)), lambda _: 1e-3, net_arch=net_arch, activation_fn=act)
+    assert mlp_unsupported_reason(policy) is None
+    net = ActorCriticMlp(policy, split=split)
+    obs = th.as_tensor(_codes(space, 40, seed=1))  # 40 rows over 7 (or 10) columns: each hot column seen many times
+    obs = obs if name == "multidiscrete" else obs[:, 0]
+    _assert_executor_equals_module(net, policy, net.inputs(obs), obs, split)  # the module: SB3's one-hot rows
+
+
+def test_one_hot_inputs_that_the_executors_cannot_take_are_reported():
+    no_hidden = ActorCriticPolicy(spaces.Discrete(4), spaces.Discrete(2), lambda _: 1e-3, net_arch=[])
+    assert "one-hot input without a Linear layer" in mlp_unsupported_reason(no_hidden)
+    shifted = ActorCriticPolicy(spaces.Discrete(4, start=1), spaces.Discrete(2), lambda _: 1e-3, net_arch=[8])
+    assert "not a flat Box, Discrete" in mlp_unsupported_reason(shifted)
+    binary = ActorCriticPolicy(spaces.MultiBinary(3), spaces.Discrete(2), lambda _: 1e-3, net_arch=[8])
+    assert mlp_unsupported_reason(binary) is None  # float rows, as a flat Box
+    ac = parse_actor_critic(binary)
+    assert not isinstance(ac, str) and ac.pi.one_hot is None

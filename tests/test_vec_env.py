@@ -8,7 +8,6 @@ from collections import OrderedDict
 import gymnasium as gym
 import numpy as np
 import pytest
-import torch as th
 from stable_baselines3 import DQN, PPO
 from stable_baselines3.common.monitor import Monitor
 from stable_baselines3.common.vec_env import DummyVecEnv
@@ -25,13 +24,7 @@ from tests.vec_env_helpers import OBS_SPACES, SpacesEnv, assert_same, assert_sam
 N_ENVS = 5
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """The models here are tiny: one thread, as the package's own default, keeps them fast on a busy machine."""
-    threads = th.get_num_threads()
-    th.set_num_threads(1)
-    yield
-    th.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def run_both(ours, ref, n_steps: int, seed: int = 3) -> None:

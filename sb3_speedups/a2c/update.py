@@ -147,8 +147,8 @@ class HandDerivedA2CUpdate:
         """
         One gradient step on the whole rollout.
 
-        :param observations: observations ``[n, ...]``; pass the network's float32 input ``[n, obs_dim]`` itself, the
-            same tensor every update, to spare the conversion and the input's views
+        :param observations: observations ``[n, ...]``; pass the network's input itself (float32 rows ``[n, obs_dim]``,
+            or int64 one-hot columns), the same tensor every update, to spare the conversion and the input's views
         :param actions: the stored float actions ``[n, action_dim]``
         :param advantages: ``[n]``
         :param returns: ``[n]``
@@ -158,10 +158,7 @@ class HandDerivedA2CUpdate:
         n = observations.shape[0]
         ws = self._ws.get(n) or self._ws.setdefault(n, A2CWorkspace.allocate(n, observations.device, self.head))
         rows = ws.stat_rows
-        x = observations
-        if x.dim() != 2 or x.dtype != th.float32:
-            x = x.reshape(n, -1).float()
-        out, values = self.net.forward(x)
+        out, values = self.net.forward(self.net.inputs(observations))
         self.head.forward(ws.head, out, self.head.training_actions(actions), self.net.log_std, ws.log_prob, rows[ENTROPY_LOSS])
         if cfg.normalize_advantage:
             advantages = normalized_advantages(advantages)

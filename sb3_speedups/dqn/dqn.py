@@ -37,7 +37,7 @@ from sb3_speedups.common.acting.torch_mlp import TorchMlp
 from sb3_speedups.common.fast_model import FastModel
 from sb3_speedups.common.off_policy.collection import FastOffPolicyCollection
 from sb3_speedups.common.nn.blocked import BlockedMlpForward, forward_in_blocks
-from sb3_speedups.dqn.update import AutogradQUpdate, HandDerivedQUpdate, huber_, q_mlp_unsupported_reason
+from sb3_speedups.dqn.update import AutogradQUpdate, HandDerivedQUpdate, huber_, q_mlp, q_mlp_unsupported_reason
 from sb3_speedups.dqn.replay.buffers import PrioritizedReplayBuffer, PrioritizedReplayBufferSamples
 from sb3_speedups.common.replay.sampling import (
     batchable,
@@ -181,16 +181,18 @@ class DQN(FastModel, FastOffPolicyCollection, stable_baselines3.DQN):
         )
         mirror, actor, target_forward = None, None, None
         if isinstance(updater, HandDerivedQUpdate):
-            target_forward = BlockedMlpForward.from_sequential(self.q_net_target.q_net)
+            online_mlp, target_mlp = q_mlp(self.q_net), q_mlp(self.q_net_target)
+            assert not isinstance(online_mlp, str) and not isinstance(target_mlp, str)
+            target_forward = BlockedMlpForward(target_mlp)
             if self.device.type == "cpu":
                 # The parameters live in the update's flat buffer, updated in place: acting reads plain views of it,
                 # always current, so there is no copy to sync.
-                actor = TorchMlp.from_module(self.q_net.q_net, updater.flat.data_of)
+                actor = TorchMlp(online_mlp.map(updater.flat.data_of))
             else:
                 params = list(self.q_net.parameters())
                 mirror = ParameterMirror(params, "cpu")
                 lookup = {id(p): c for p, c in zip(params, mirror.copies, strict=True)}
-                actor = TorchMlp.from_module(self.q_net.q_net, lambda t: lookup[id(t)])
+                actor = TorchMlp(online_mlp.map(lambda t: lookup[id(t)]))
         elif self.verbose >= 1:
             print(f"sb3_speedups DQN: using the autograd update ({reason})")
         online = [*self.q_net.parameters(), *self.batch_norm_stats]
@@ -221,9 +223,7 @@ class DQN(FastModel, FastOffPolicyCollection, stable_baselines3.DQN):
             # picks the first maximum, as torch's does.
             last = self._last_obs
             obs = th.from_numpy(last) if type(last) is np.ndarray else th.as_tensor(last)
-            if obs.dim() != 2:
-                obs = obs.reshape(obs.shape[0], -1)
-            actions = speed.actor(obs if obs.dtype == th.float32 else obs.float()).numpy().argmax(axis=1)
+            actions = speed.actor(speed.actor.mlp.inputs(obs)).numpy().argmax(axis=1)
         return actions, actions
 
     def _on_step(self) -> None:
@@ -285,7 +285,7 @@ class DQN(FastModel, FastOffPolicyCollection, stable_baselines3.DQN):
         # Called per gradient step inside train(), which has already run _ensure_speedups().
         forward = self._speedups.target_forward if self._speedups is not None else None
         if forward is not None:
-            return forward(obs.reshape(obs.shape[0], -1).float())
+            return forward(forward.mlp.inputs(obs))
         with th.no_grad():
             return forward_in_blocks(self.q_net_target, obs) if isinstance(obs, th.Tensor) else self.q_net_target(obs)
 

@@ -1,9 +1,10 @@
 """
 One DQN gradient step (Huber loss on Q(s, a) against a given target, gradient clipping, Adam), two ways:
 
-- :class:`HandDerivedQUpdate`: for an MLP ``QNetwork`` (flat ``Box`` observations, ``Linear`` layers with ReLU or Tanh,
-  stock Adam): hand-derived forward and backward into preallocated buffers, flat parameters and one fused Adam
-  kernel (:mod:`sb3_speedups.common.nn.optim`), clipping without a host sync;
+- :class:`HandDerivedQUpdate`: for an MLP ``QNetwork`` (flat ``Box``, ``Discrete``, ``MultiDiscrete`` or
+  ``MultiBinary`` observations, ``Linear`` layers with ReLU or Tanh, stock Adam): hand-derived forward and backward
+  into preallocated buffers, flat parameters and one fused Adam kernel (:mod:`sb3_speedups.common.nn.optim`),
+  clipping without a host sync;
 - :class:`AutogradQUpdate`: any other Q-network (dueling heads, CNN, ``Dict`` observations, custom optimizer),
   with autograd and the policy's own optimizer, as stock SB3 does.
 
@@ -17,16 +18,27 @@ from __future__ import annotations
 
 import torch as th
 import torch.nn.functional as F
-from gymnasium import spaces
-from stable_baselines3.common.preprocessing import is_image_space
 from stable_baselines3.common.torch_layers import FlattenExtractor
 from stable_baselines3.dqn.policies import DQNPolicy, QNetwork
 
-from sb3_speedups.common.nn.mlp import parse_output_mlp
+from sb3_speedups.common.nn.inputs import flat_input_unsupported_reason
+from sb3_speedups.common.nn.mlp import Mlp, parse_output_mlp
 from sb3_speedups.common.nn.training import MlpChain
 from sb3_speedups.common.nn.flat import FlatParameters
 from sb3_speedups.common.nn.optim import FlatAdam, FlatOptimizerStep, adam_unsupported_reason
 from sb3_speedups.common.torch_utils import to_channels_last, trains_channels_last
+
+
+def q_mlp(q_net: QNetwork) -> Mlp | str:
+    """
+    :return: the description of ``q_net.q_net`` taking the observations as SB3 preprocesses them (the executors' input:
+        :meth:`~sb3_speedups.common.nn.mlp.Mlp.inputs`), or why the hand-derived update cannot run it
+    """
+    mlp = parse_output_mlp(q_net.q_net)
+    if isinstance(mlp, str):
+        return mlp
+    mlp = mlp.observing(q_net.observation_space)
+    return mlp.head()[0].trainable_reason() or mlp
 
 
 def q_mlp_unsupported_reason(policy: DQNPolicy) -> str | None:
@@ -37,12 +49,12 @@ def q_mlp_unsupported_reason(policy: DQNPolicy) -> str | None:
     q_net = policy.q_net
     if type(q_net) is not QNetwork:
         return f"Q-network class {type(q_net).__name__} is not the stock QNetwork"
-    space = policy.observation_space
-    if not isinstance(space, spaces.Box) or is_image_space(space):
-        return f"observation space {type(space).__name__} is not a flat Box"
+    reason = flat_input_unsupported_reason(policy.observation_space)
+    if reason is not None:
+        return reason
     if not isinstance(q_net.features_extractor, FlattenExtractor):
         return "features extractor is not FlattenExtractor"
-    mlp = parse_output_mlp(q_net.q_net)
+    mlp = q_mlp(q_net)
     if isinstance(mlp, str):
         return f"q_net: {mlp}"
     if any(p.dtype != th.float32 for p in q_net.parameters()):
@@ -87,8 +99,10 @@ class HandDerivedQUpdate:
             raise ValueError(reason)
         self.policy = policy
         q_net = policy.q_net
-        mlp = parse_output_mlp(q_net.q_net)
+        mlp = q_mlp(q_net)
         assert not isinstance(mlp, str)
+        #: the Q-network's input of observations: float rows, or the hot columns of a one-hot input
+        self.inputs = mlp.inputs
         hidden, out = mlp.head()
         assert out is not None and out.bias is not None
         self.flat = FlatParameters(list(q_net.parameters()))
@@ -106,7 +120,7 @@ class HandDerivedQUpdate:
 
     def q_values(self, obs: th.Tensor) -> th.Tensor:
         """:return: ``Q(obs, .)`` ``[n, n_actions]`` (overwrites the forward workspace for ``n`` rows)"""
-        h = self.chain.forward(obs.reshape(obs.shape[0], -1).float())[0]
+        h = self.chain.forward(self.inputs(obs))[0]
         return th.addmm(self.b_out, h, self.w_out.t())
 
     def step(
@@ -128,7 +142,7 @@ class HandDerivedQUpdate:
         :return: the TD errors ``[b, 1]``
         """
         b = obs.shape[0]
-        h = self.chain.forward(obs if obs.dim() == 2 and obs.dtype == th.float32 else obs.reshape(b, -1).float())
+        h = self.chain.forward(self.inputs(obs))
         h2 = h[0]
         q = th.addmm(self.b_out, h2, self.w_out.t())
         index = actions if actions.dtype == th.int64 else actions.long()

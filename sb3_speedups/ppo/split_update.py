@@ -60,11 +60,11 @@ def split_unsupported_reason(policy: ActorCriticPolicy, explicit: bool) -> str |
 class _Shared:
     """The shared-memory areas of one helper, sized for one rollout shape."""
 
-    def __init__(self, n: int, obs_dim: int, capacity: int) -> None:
+    def __init__(self, n: int, obs_dim: int, capacity: int, dtype: th.dtype) -> None:
         self.n, self.obs_dim, self.capacity = n, obs_dim, capacity
         self.channel = CommandChannel.allocate()
         self.results = shared_zeros(capacity, th.float64).numpy()
-        self.obs = shared_zeros(n * obs_dim).view(n, obs_dim)
+        self.obs = shared_zeros(n * obs_dim, dtype).view(n, obs_dim)  # the networks' input: float rows or one-hot columns
         self.scalars = shared_zeros(2 * n).view(2, n)  # old values, returns
         self.index = shared_zeros(n, th.int64)
 
@@ -124,10 +124,14 @@ class SplitPPOUpdate(HandDerivedPPOUpdate):
         assert isinstance(observations, th.Tensor)
         n, obs_dim = observations.shape
         helper, shared = self._helper, self._shared
-        fits = shared is not None and (shared.n, shared.obs_dim) == (n, obs_dim) and shared.capacity >= max_rows
+        fits = (
+            shared is not None
+            and (shared.n, shared.obs_dim, shared.obs.dtype) == (n, obs_dim, observations.dtype)
+            and shared.capacity >= max_rows
+        )
         if helper is None or shared is None or not fits or not helper.alive():
             self.close()
-            shared = self._shared = _Shared(n, obs_dim, max(max_rows, 1))
+            shared = self._shared = _Shared(n, obs_dim, max(max_rows, 1), observations.dtype)
             helper = self._helper = HelperProcess(partial(self.serve_command, shared=shared), shared.channel)
             self._last_gather = 0
         shared.obs.copy_(observations)

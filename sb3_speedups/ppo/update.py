@@ -192,8 +192,8 @@ class HandDerivedPPOUpdate(TrainHooks):
         return self.head.training_actions(actions)
 
     def training_observations(self, observations: Any) -> th.Tensor:
-        """:return: the observations as the network's float input ``[N, obs_dim]``"""
-        return observations.reshape(observations.shape[0], -1).float()
+        """:return: the observations as the network's input (float rows ``[N, obs_dim]``, or one-hot columns ``[N, k]``)"""
+        return self.net.inputs(observations)
 
     def workspace(self, n: int, device: th.device) -> HandDerivedWorkspace:
         """:return: the buffers for minibatches of ``n`` samples (allocated on first use)"""

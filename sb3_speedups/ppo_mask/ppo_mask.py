@@ -19,18 +19,17 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import sb3_contrib
-from gymnasium import spaces
 from sb3_contrib.common.maskable.buffers import MaskableRolloutBuffer
 from sb3_contrib.common.maskable.utils import is_masking_supported
 from stable_baselines3.common.buffers import RolloutBuffer
 from stable_baselines3.common.callbacks import BaseCallback
-from stable_baselines3.common.preprocessing import is_image_space
 from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_speedups.common.acting.actors import FrozenActorCritic
 from sb3_speedups.common.nn.heads.masked import make_masked_head
 from sb3_speedups.common.nn.optim import adam_unsupported_reason
 from sb3_speedups.common.nn.actor_critic import mlp_unsupported_reason
+from sb3_speedups.common.nn.inputs import flat_input_unsupported_reason
 from sb3_speedups.common.fast_model import FastModel
 from sb3_speedups.errors import UserValueError
 from sb3_speedups.ppo.collection import collect_rollout
@@ -120,10 +119,7 @@ class MaskablePPO(FastModel, sb3_contrib.MaskablePPO):
         """:return: why this model runs sb3-contrib's own collection and update, or ``None`` when it runs ours"""
         if not isinstance(self.rollout_buffer, FastMaskableRolloutBuffer):
             return f"rollout buffer {type(self.rollout_buffer).__name__} is not the default MaskableRolloutBuffer"
-        space = self.observation_space
-        if not isinstance(space, spaces.Box) or is_image_space(space):
-            return f"observation space {type(space).__name__} is not a flat Box"
-        reason = mlp_unsupported_reason(self.policy)
+        reason = flat_input_unsupported_reason(self.observation_space) or mlp_unsupported_reason(self.policy)
         if reason is None and make_masked_head(self.policy.action_dist) is None:
             reason = f"action distribution {type(self.policy.action_dist).__name__} has no masked head"
         return reason or adam_unsupported_reason(self.policy.optimizer, list(self.policy.parameters()))

@@ -143,7 +143,8 @@ def stock_action_shape(action_space: spaces.Space) -> tuple[int, ...] | None:
 
 class FrozenActorCritic:
     """
-    Frozen plain-tensor copy of an MLP ``ActorCriticPolicy`` (flat ``Box`` observations, no gSDE) for collection.
+    Frozen plain-tensor copy of an MLP ``ActorCriticPolicy`` (observations the MLP executors take, no gSDE) for
+    collection.
 
     :param policy: the policy (check :func:`sb3_speedups.common.nn.actor_critic.mlp_unsupported_reason` first)
     :param head: its action head (:func:`sb3_speedups.common.nn.heads.make_head`)
@@ -192,8 +193,7 @@ class FrozenActorCritic:
         self.mirror.sync()
 
     def _features(self, obs: np.ndarray) -> th.Tensor:
-        x = th.as_tensor(obs, device=self.device).float()
-        return x if x.dim() == 2 else x.view(x.shape[0], -1)
+        return self.latents[0].mlp.inputs(th.as_tensor(obs, device=self.device))
 
     def act(self, obs: np.ndarray, masks: np.ndarray | None = None) -> tuple[np.ndarray, th.Tensor, th.Tensor]:
         """

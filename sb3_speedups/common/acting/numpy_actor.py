@@ -28,7 +28,8 @@ def _affine(x: np.ndarray, weight_t: np.ndarray, bias: np.ndarray | None) -> np.
 class NumpyMlp:
     """
     An MLP run with numpy on views of its description's CPU tensors. Stacked, inputs ``[n, in]`` broadcast over the
-    ``G`` networks and the output is ``[G, n, out]``.
+    ``G`` networks and the output is ``[G, n, out]``. With a one-hot input the first layer is a gather, and the input
+    the hot columns (:meth:`inputs`).
 
     :param mlp: the network (check :meth:`unsupported_reason`)
     """
@@ -37,6 +38,7 @@ class NumpyMlp:
         reason = self.unsupported_reason(mlp)
         if reason is not None:
             raise ValueError(reason)
+        self.mlp = mlp
         self.layers: list[tuple[np.ndarray, np.ndarray | None, Callable[[np.ndarray], Any] | None]] = [
             (
                 layer.weight.transpose(-2, -1).numpy(),
@@ -45,7 +47,9 @@ class NumpyMlp:
             )
             for layer in mlp.layers
         ]
-        self.max_layer_size = max((int(w.shape[-2]) * int(w.shape[-1]) for w, _, _ in self.layers), default=0)
+        # the products' sizes (a one-hot first layer runs none)
+        products = self.layers[1:] if mlp.one_hot is not None else self.layers
+        self.max_layer_size = max((int(w.shape[-2]) * int(w.shape[-1]) for w, _, _ in products), default=0)
 
     @staticmethod
     def unsupported_reason(mlp: Mlp) -> str | None:
@@ -55,10 +59,15 @@ class NumpyMlp:
                 return f"activation {layer.activation.name} has no numpy kernel"
         return None
 
+    def inputs(self, obs: np.ndarray) -> np.ndarray:
+        """:return: the input of observations: float32 rows ``[n, in]``, or a one-hot input's hot columns ``[n, k]``"""
+        return self.mlp.inputs_numpy(obs)
+
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        """:return: the output of float32 inputs ``[n, in]`` (fresh arrays)"""
-        for weight_t, bias, act in self.layers:
-            x = np.matmul(x, weight_t)
+        """:return: the output of :meth:`inputs` (fresh arrays)"""
+        one_hot = self.mlp.one_hot
+        for k, (weight_t, bias, act) in enumerate(self.layers):
+            x = one_hot.matmul_numpy(x, weight_t) if k == 0 and one_hot is not None else np.matmul(x, weight_t)
             if bias is not None:
                 np.add(x, bias, out=x)
             if act is not None:
@@ -106,9 +115,7 @@ class NumpyActorCritic:
 
     def forward(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:return: the action net's output ``[n, n_out]`` and the values ``[n, 1]`` (float32, fresh arrays)"""
-        x = np.asarray(obs, dtype=np.float32)
-        if x.ndim != 2:
-            x = x.reshape(x.shape[0], -1)
+        x = self.chains[0].inputs(obs)
         if len(self.chains) == 1:
             latents = self.chains[0](x)
             latent_pi, latent_vf = latents[0], latents[1]

@@ -19,6 +19,7 @@ from stable_baselines3.common.policies import ActorCriticPolicy
 from stable_baselines3.common.torch_layers import FlattenExtractor
 from torch import nn
 
+from sb3_speedups.common.nn.inputs import flat_input_unsupported_reason
 from sb3_speedups.common.nn.mlp import NONE, Layer, Mlp, biases, parse_mlp
 
 
@@ -46,14 +47,19 @@ class ActorCritic:
 
 
 def parse_actor_critic(policy: ActorCriticPolicy) -> ActorCritic | str:
-    """:return: the description of ``policy``'s networks on its own parameters, or why they are not plain MLPs"""
+    """
+    :return: the description of ``policy``'s networks on its own parameters, the policy and value networks taking
+        its observations as SB3 preprocesses them (:meth:`~sb3_speedups.common.nn.mlp.Mlp.observing`), or why they are
+        not plain MLPs
+    """
     nets = (policy.mlp_extractor.policy_net, policy.mlp_extractor.value_net, policy.action_net, policy.value_net)
     parsed = [parse_mlp(net) for net in nets]
     reasons = [reason for reason in parsed if isinstance(reason, str)]
     if reasons:
         return reasons[0]
     pi, vf, action, value = (mlp for mlp in parsed if not isinstance(mlp, str))
-    return ActorCritic(pi, vf, action, value, getattr(policy, "log_std", None))
+    space = policy.observation_space
+    return ActorCritic(pi.observing(space), vf.observing(space), action, value, getattr(policy, "log_std", None))
 
 
 def _is_plain_policy(policy: nn.Module) -> TypeGuard[ActorCriticPolicy]:
@@ -73,6 +79,9 @@ def mlp_unsupported_reason(policy: nn.Module) -> str | None:
     """
     if not _is_plain_policy(policy):
         return f"policy class {type(policy).__name__} is not the plain MlpPolicy (ActorCriticPolicy)"
+    reason = flat_input_unsupported_reason(policy.observation_space)
+    if reason is not None:
+        return reason
     if not isinstance(policy.features_extractor, FlattenExtractor) or not isinstance(
         policy.vf_features_extractor, FlattenExtractor
     ):
@@ -87,6 +96,10 @@ def mlp_unsupported_reason(policy: nn.Module) -> str | None:
         or vf.trainable_reason()
     ):
         return "mlp_extractor is not Linear layers with a Tanh or ReLU activation"
+    space = policy.observation_space
+    reason = pi.observing(space).trainable_reason() or vf.observing(space).trainable_reason()
+    if reason is not None:
+        return reason
     if pi.layers and vf.layers and pi.activation is not vf.activation:
         return "policy and value networks use different activations"
     if type(policy.action_net) is not nn.Linear or type(policy.value_net) is not nn.Linear:

@@ -77,6 +77,8 @@ class ActorCriticMlp:
         if reason is not None or isinstance(ac, str) or heads is None:
             raise ValueError(reason or "not an MLP actor-critic")
         self.stacked = ac.pi.same_shapes(ac.vf) and not split
+        #: the networks' input of observations: float rows, or the hot columns of a one-hot input
+        self.inputs = ac.pi.inputs
         layout = split_layout(ac, policy) if split else flat_layout(ac, policy)
         critic = critic_parameters(ac)
         self.flat = FlatParameters(list(policy.parameters()), layout, shared=split, aligned=critic[0] if split else None)
@@ -140,7 +142,7 @@ class ActorCriticMlp:
         """
         The forward of one part of a ``split`` network (the same operations as :meth:`forward` runs for it).
 
-        :param x: flat float observations ``[n, obs_dim]``
+        :param x: the networks' input (:attr:`inputs` of the observations)
         :param part: 0 for the actor, 1 for the critic
         :return: the action net's output ``[n, n_actions_out]`` (actor) or the values ``[n]`` (critic), reused buffers
         """
@@ -151,7 +153,7 @@ class ActorCriticMlp:
 
     def forward(self, x: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
         """
-        :param x: flat float observations ``[n, obs_dim]``
+        :param x: the networks' input (:attr:`inputs` of the observations)
         :return: the action net's output ``[n, n_actions_out]`` and the values ``[n]`` (reused buffers)
         """
         outputs = self._out.get(x.shape[0]) or self._allocate_out(x.shape[0], x.device)

@@ -25,12 +25,17 @@ class BlockedMlpForward:
     split the freed blocks and the process keeps growing.
 
     :param mlp: the network on the module's own parameters (read at each call, so it follows training), from
-        :func:`~sb3_speedups.common.nn.mlp.parse_output_mlp`
+        :func:`~sb3_speedups.common.nn.mlp.parse_output_mlp`; with a one-hot input the first layer is a gather of the
+        hot columns' weights
     :param rows: rows per block (activations of thousands of rows spill out of the CPU caches)
     """
 
     def __init__(self, mlp: Mlp, rows: int = 1024) -> None:
+        self.mlp = mlp
         self.weights, self.biases, self.rows = [layer.weight for layer in mlp.layers], biases(mlp.layers), rows
+        self.affines: list[Callable[..., th.Tensor]] = [th.addmm] * len(self.weights)
+        if mlp.one_hot is not None:
+            self.affines[0] = mlp.one_hot.addmm
         self.activations: list[Callable[[th.Tensor], th.Tensor]] = []
         for layer in mlp.layers:
             if layer.activation.torch_ is None:
@@ -52,18 +57,18 @@ class BlockedMlpForward:
         if len(self._out) > 8:
             self._out.clear()
         if n not in self._out:
-            self._out[n] = th.empty(n, self.weights[-1].shape[0], dtype=like.dtype, device=like.device)
+            self._out[n] = th.empty(n, self.weights[-1].shape[0], dtype=self.weights[-1].dtype, device=like.device)
         if block not in self._hidden:
             if len(self._hidden) > 8:
                 self._hidden.clear()
             self._hidden[block] = [
-                th.empty(block, weight.shape[0], dtype=like.dtype, device=like.device) for weight in self.weights[:-1]
+                th.empty(block, weight.shape[0], dtype=weight.dtype, device=like.device) for weight in self.weights[:-1]
             ]
         return self._out[n], self._hidden[block]
 
     def __call__(self, x: th.Tensor) -> th.Tensor:
         """
-        :param x: inputs ``[n, in]``
+        :param x: inputs ``[n, in]``, or a one-hot input's hot columns ``[n, k]``
         :return: outputs ``[n, out]``, in a buffer that the next call with ``n`` rows overwrites
         """
         if th.is_grad_enabled():
@@ -82,8 +87,9 @@ class BlockedMlpForward:
 
     def _block(self, h: th.Tensor, out: th.Tensor, hidden: list[th.Tensor]) -> th.Tensor:
         """:return: ``out``, the outputs of the rows ``h`` (``hidden``: buffers for their activations)"""
-        for dst, weight, bias, activation_ in zip([*hidden, out], self.weights, self.biases, self.activations, strict=True):
-            th.addmm(bias, h, weight.t(), out=dst)
+        layers = zip([*hidden, out], self.affines, self.weights, self.biases, self.activations, strict=True)
+        for dst, affine, weight, bias, activation_ in layers:
+            affine(bias, h, weight.t(), out=dst)
             activation_(dst)
             h = dst
         return out

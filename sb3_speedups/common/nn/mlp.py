@@ -11,7 +11,9 @@ shaped networks side by side (``[G, out, in]`` weights), which run as one batche
 - :mod:`sb3_speedups.common.acting.numpy_actor`: numpy forward for acting on the CPU.
 
 Each executor runs the same operations as the module's own forward; which activations an executor can run is in the
-table (a kind without a numpy or a backward kernel is reported, and the caller falls back).
+table (a kind without a numpy or a backward kernel is reported, and the caller falls back). A description may take
+one-hot observations (:attr:`Mlp.one_hot`, ``Discrete`` and ``MultiDiscrete`` ones): every executor then runs its first
+layer as a gather of the hot columns' weights (:class:`~sb3_speedups.common.nn.inputs.OneHotInput`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from typing import Any
 import numpy as np
 import torch as th
 import torch.nn.functional as F
+from gymnasium import spaces
 from torch import nn
+
+from sb3_speedups.common.nn.inputs import OneHotInput, one_hot_input
 
 # The ops' C++ callables: calling them skips the Python frame of ``OpOverload.__call__``.
 _TANH_BACKWARD = getattr(th.ops.aten.tanh_backward.grad_input, "_op", th.ops.aten.tanh_backward.grad_input)
@@ -94,6 +99,26 @@ class Mlp:
     """``Linear`` layers, each followed by at most one activation, input to output."""
 
     layers: tuple[Layer, ...]
+    #: the first layer's input as the hot columns of one-hot blocks (``Discrete`` or ``MultiDiscrete``
+    #: observations), or ``None``: float rows
+    one_hot: OneHotInput | None = None
+
+    def observing(self, space: spaces.Space) -> Mlp:
+        """:return: the same network taking ``space``'s observations as SB3 preprocesses them"""
+        return replace(self, one_hot=one_hot_input(space))
+
+    def inputs(self, obs: th.Tensor) -> th.Tensor:
+        """:return: the executors' input for observations: float rows ``[n, in]``, or the hot columns ``[n, k]``"""
+        if self.one_hot is not None:
+            return self.one_hot.columns(obs)
+        return obs if obs.dim() == 2 and obs.dtype == th.float32 else obs.reshape(obs.shape[0], -1).float()
+
+    def inputs_numpy(self, obs: np.ndarray) -> np.ndarray:
+        """:return: :meth:`inputs` of numpy observations"""
+        if self.one_hot is not None:
+            return self.one_hot.columns_numpy(obs)
+        x = np.asarray(obs, dtype=np.float32)
+        return x if x.ndim == 2 else x.reshape(x.shape[0], -1)
 
     @property
     def stacked(self) -> bool:
@@ -113,12 +138,13 @@ class Mlp:
     def map(self, fn: Callable[[th.Tensor], th.Tensor]) -> Mlp:
         """:return: the same network on ``fn(tensor)`` of each tensor (e.g. its copy in a mirror)"""
         return Mlp(
-            tuple(replace(lay, weight=fn(lay.weight), bias=None if lay.bias is None else fn(lay.bias)) for lay in self.layers)
+            tuple(replace(lay, weight=fn(lay.weight), bias=None if lay.bias is None else fn(lay.bias)) for lay in self.layers),
+            self.one_hot,
         )
 
     def head(self) -> tuple[Mlp, Layer | None]:
-        """:return: the layers but the last, and the last (``None`` when there are no layers)"""
-        return Mlp(self.layers[:-1]), self.layers[-1] if self.layers else None
+        """:return: the layers but the last (taking this network's input), and the last (``None`` when there are none)"""
+        return Mlp(self.layers[:-1], self.one_hot), self.layers[-1] if self.layers else None
 
     def same_shapes(self, other: Mlp) -> bool:
         """:return: whether both have layers of the same shapes, all with biases (so they can be stacked)"""
@@ -129,6 +155,8 @@ class Mlp:
     def trainable_reason(self) -> str | None:
         """:return: why the training executors cannot run this (all layers activated, one hand-derived kind, biases)"""
         activation = self.activation
+        if self.one_hot is not None and not self.layers:
+            return "a one-hot input without a Linear layer to gather from"
         if self.layers and (activation is None or activation.backward is None or activation is NONE):
             return "not Linear layers with a Tanh or ReLU activation"
         if any(lay.bias is None for lay in self.layers):
@@ -152,7 +180,8 @@ def stack(mlps: Sequence[Mlp], stacked: Callable[[list[th.Tensor]], th.Tensor]) 
     """
     layers = zip(*(m.layers for m in mlps), strict=True)
     return Mlp(
-        tuple(Layer(stacked([lay.weight for lay in group]), stacked(biases(group)), group[0].activation) for group in layers)
+        tuple(Layer(stacked([lay.weight for lay in group]), stacked(biases(group)), group[0].activation) for group in layers),
+        mlps[0].one_hot,
     )
 
 

@@ -46,7 +46,7 @@ class _Input:
     """The last input as the products take it and its transpose, made once (the same observations come back every epoch)."""
 
     x: th.Tensor
-    #: ``x`` itself for one network, else expanded to ``[G, n, in]``
+    #: ``x`` itself for one network or a one-hot input's columns, else expanded to ``[G, n, in]``
     h_m: th.Tensor
     #: the transpose of ``h_m``, made by the first backward that needs it
     h_t_m: th.Tensor | None = None
@@ -75,7 +75,9 @@ class MlpChain:
 
     :param flat: the flat buffer holding the networks' parameters side by side
     :param mlps: the networks (:func:`~sb3_speedups.common.nn.mlp.parse_mlp` of the modules), every layer activated
-        by one kind with a hand-derived backward (:meth:`~sb3_speedups.common.nn.mlp.Mlp.trainable_reason`)
+        by one kind with a hand-derived backward (:meth:`~sb3_speedups.common.nn.mlp.Mlp.trainable_reason`); with a
+        one-hot input (:attr:`~sb3_speedups.common.nn.mlp.Mlp.one_hot`) the input is its hot columns, and the first
+        layer a gather
     """
 
     def __init__(self, flat: FlatParameters, mlps: list[Mlp]) -> None:
@@ -99,6 +101,11 @@ class MlpChain:
         self._mm: Callable[..., th.Tensor] = th.mm if single else th.bmm
         self._addmm: Callable[..., th.Tensor] = th.addmm if single else th.baddbmm
         self._row_dim = 0 if single else 1
+        self.one_hot = mlps[0].one_hot
+        # the first layer's product: a gather of the hot columns' weights for a one-hot input
+        self._affines: list[Callable[..., th.Tensor]] = [self._addmm] * len(self.weights)
+        if self.one_hot is not None and self._affines:
+            self._affines[0] = self.one_hot.addmm
         self._weights_m = [self._mat(w) for w in self.weights]
         self._weights_t_m = [self._mat(w) for w in self.weights_t]
         self._biases_m = [self._mat(b) for b in self.biases]
@@ -143,16 +150,18 @@ class MlpChain:
         if not self.weights:
             return x.expand(self.groups, n, x.shape[1])
         if given is None or given.x is not x:
-            given = self._input = _Input(x, x if self.groups == 1 else x.expand(self.groups, n, x.shape[1]))
+            as_given = self.groups == 1 or self.one_hot is not None  # a gather of stacked weights gives [G, n, out]
+            given = self._input = _Input(x, x if as_given else x.expand(self.groups, n, x.shape[1]))
         ws = self.ws.get(n) or self._workspace(n, x)
-        h, addmm, arrays = given.h_m, self._addmm, ws.arrays
+        h, arrays = given.h_m, ws.arrays
         if arrays is None:
-            for w_t, b, out in zip(self._weights_t_m, self._biases_m, ws.acts_m, strict=True):
-                h = self._activate_(addmm(b, h, w_t, out=out))
+            for affine, w_t, b, out in zip(self._affines, self._weights_t_m, self._biases_m, ws.acts_m, strict=True):
+                h = self._activate_(affine(b, h, w_t, out=out))
             return ws.acts[-1]
         numpy_ = self._numpy_
-        for w_t, b, out, array in zip(self._weights_t_m, self._biases_m, ws.acts_m, arrays, strict=True):
-            h = addmm(b, h, w_t, out=out)
+        layers = zip(self._affines, self._weights_t_m, self._biases_m, ws.acts_m, arrays, strict=True)
+        for affine, w_t, b, out, array in layers:
+            h = affine(b, h, w_t, out=out)
             numpy_(array)  # the activation on numpy views made once
         return ws.acts[-1]
 
@@ -181,7 +190,9 @@ class MlpChain:
         for k in range(len(self.weights) - 1, -1, -1):
             backward_(d, ws.acts_m[k])
             gw = self._grad_weights_m[k]
-            if gw.shape[-1] < gw.shape[-2]:
+            if k == 0 and self.one_hot is not None:
+                self.one_hot.weight_grad(self._grad_weights_t_m[0], h, d)
+            elif gw.shape[-1] < gw.shape[-2]:
                 # [out, n] @ [n, in] with a narrow `in` is a poor GEMM shape; its transpose is not.
                 below_t = ws.acts_t_m[k - 1] if k > 0 else h_t
                 self._grad_weights_t_m[k].copy_(mm(below_t, d))
@@ -228,6 +239,8 @@ class MlpChain:
         :param columns: the input columns whose gradient is wanted
         :return: the gradient of those input columns ``[G, n, len(columns)]`` (a new tensor)
         """
+        if self.one_hot is not None:
+            raise ValueError("a one-hot input has no gradient")
         ws, backward_, mm = self.ws[d_last.shape[1]], self._backward, self._mm
         d = ws.grads_m[-1] if d_last is ws.grads[-1] else self._mat(d_last)
         for k in range(len(self.weights) - 1, 0, -1):
@@ -241,6 +254,7 @@ class MlpChain:
     def forward_one(self, x: th.Tensor, g: int) -> th.Tensor:
         """:return: the last activations of network ``g`` for ``x`` ``[n, in]`` (allocates; not for hot paths)"""
         h = x
-        for w, b in zip(self.weights, self.biases, strict=True):
-            h = self._activate_(th.addmm(b[g, 0], h, w[g].t()))
+        for k, (w, b) in enumerate(zip(self.weights, self.biases, strict=True)):
+            affine = self.one_hot.addmm if k == 0 and self.one_hot is not None else th.addmm
+            h = self._activate_(affine(b[g, 0], h, w[g].t()))
         return h

@@ -2,26 +2,23 @@
 
 from __future__ import annotations
 
-from gymnasium import spaces
 from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
-from stable_baselines3.common.preprocessing import is_image_space
 
 from sb3_speedups.common.nn.heads import make_head
 from sb3_speedups.common.nn.actor_critic import mlp_unsupported_reason
+from sb3_speedups.common.nn.inputs import flat_input_unsupported_reason
 
 
 def mlp_model_unsupported_reason(model: OnPolicyAlgorithm) -> str | None:
     """
     :param model: the model
-    :return: why its policy is not a plain MLP actor-critic on flat ``Box`` observations with a hand-derived action
-        head and no gSDE (what the hand-derived updates and the frozen actor need), or ``None``
+    :return: why its policy is not a plain MLP actor-critic on observations the MLP executors take (flat ``Box``,
+        ``Discrete``, ``MultiDiscrete``, ``MultiBinary``) with a hand-derived action head and no gSDE (what the
+        hand-derived updates and the frozen actor need), or ``None``
     """
     if model.use_sde:
         return "gSDE"
-    space = model.observation_space
-    if not isinstance(space, spaces.Box) or is_image_space(space):
-        return f"observation space {type(space).__name__} is not a flat Box"
-    reason = mlp_unsupported_reason(model.policy)
+    reason = flat_input_unsupported_reason(model.observation_space) or mlp_unsupported_reason(model.policy)
     if reason is None and make_head(model.policy.action_dist, model.action_space) is None:
         reason = f"action distribution {type(model.policy.action_dist).__name__} has no hand-derived gradient"
     return reason
