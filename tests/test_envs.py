@@ -26,6 +26,15 @@ def test_cartpole_novel_masks_the_velocities():
     assert limits == [500]  # the base env's TimeLimit, not a second one
 
 
+def test_masking_envs_keep_sb3_contribs_discrete_observations_on_request():
+    flat = gym.make("InvalidActionEnvDiscrete-v0", dim=40, n_invalid_actions=20)
+    own = gym.make("InvalidActionEnvDiscrete-v0", dim=40, n_invalid_actions=20, one_hot=False)
+    assert flat.observation_space.shape == (40,) and own.observation_space == gym.spaces.Discrete(40)
+    obs, _ = own.reset(seed=0)
+    assert own.observation_space.contains(obs)
+    assert np.sum(own.unwrapped.action_masks()) == 20
+
+
 def test_check_env_id_suggests_close_matches():
     check_env_id("CartPoleNoVel-v1")
     check_env_id("gymnasium.envs.classic_control:CartPole-v1")

@@ -21,14 +21,17 @@ INVALID_ACTION_ENVS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def make_invalid_action_env(env_id: str, **kwargs: Any) -> gym.Env:
+def make_invalid_action_env(env_id: str, one_hot: bool = True, **kwargs: Any) -> gym.Env:
     """
     :param env_id: one of :data:`INVALID_ACTION_ENVS`
+    :param one_hot: observations one-hot as a flat ``Box`` (its ``action_masks()`` is reached through the wrapper);
+        ``False``: sb3-contrib's own ``Discrete`` / ``MultiDiscrete`` observations
     :param kwargs: overrides of its constructor arguments
-    :return: the env, observations one-hot (its ``action_masks()`` is reached through the wrapper)
+    :return: the env
     """
     # imported on use: sb3-contrib takes seconds to import, too long for every ``import sb3_speedups``
     import sb3_contrib.common.envs
 
     name, defaults = INVALID_ACTION_ENVS[env_id]
-    return FlattenObservation(getattr(sb3_contrib.common.envs, name)(**{**defaults, **kwargs}))
+    env = getattr(sb3_contrib.common.envs, name)(**{**defaults, **kwargs})
+    return FlattenObservation(env) if one_hot else env
