@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch as th
 
+from sb3_speedups.common import torch_utils
+
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -17,12 +19,22 @@ def log_folder(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def one_torch_thread() -> Iterator[None]:
-    """The models of a test are tiny: one thread, as the package's own default, keeps them fast on a busy machine."""
-    threads = th.get_num_threads()
-    th.set_num_threads(1)
+def torch_threads_restored() -> Iterator[None]:
+    """
+    Torch's thread count and the package's record of the count it set, both restored after the test: a model made in
+    the test sets them (a CNN: every core), and a count left behind that differs from the record would pass for the
+    user's choice in later tests.
+    """
+    threads, package_set = th.get_num_threads(), torch_utils._package_set
     yield
     th.set_num_threads(threads)
+    torch_utils._package_set = package_set
+
+
+@pytest.fixture
+def one_torch_thread(torch_threads_restored: None) -> None:
+    """The models of a test are tiny: one thread, as the package's own default, keeps them fast on a busy machine."""
+    th.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

@@ -301,21 +301,17 @@ def _threads_seen_in_train(model) -> list[int]:
 
 @pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 @pytest.mark.parametrize("net_arch, num_threads, expected", [([256, 256], None, 2), ([32, 32], None, 1), ([256, 256], 1, 1)])
-def test_update_threads_follow_the_size_of_the_matrix_products(net_arch, num_threads, expected):
+def test_update_threads_follow_the_size_of_the_matrix_products(net_arch, num_threads, expected, torch_threads_restored):
     from sb3_speedups.common import torch_utils
 
-    before = th.get_num_threads()
-    try:
-        env = make_vec_env("CartPole-v1", n_envs=1, seed=0)
-        extra = dict(policy_kwargs=dict(net_arch=net_arch), batch_size=64, learning_starts=100, gradient_steps=4)
-        model = DQN("MlpPolicy", env, seed=0, num_threads=num_threads, **{**SMALL, **extra})
-        assert th.get_num_threads() == 1  # acting runs on one thread either way
-        seen = _threads_seen_in_train(model)
-        model.learn(300)
-        assert seen and set(seen) == {expected}
-        assert th.get_num_threads() == 1  # restored after every train()
-        # A count the user set themselves is never changed (3: neither torch's start-up value here nor our default).
-        th.set_num_threads(3)
-        assert torch_utils.update_num_threads(10**9, None, th.device("cpu")) is None
-    finally:
-        th.set_num_threads(before)
+    env = make_vec_env("CartPole-v1", n_envs=1, seed=0)
+    extra = dict(policy_kwargs=dict(net_arch=net_arch), batch_size=64, learning_starts=100, gradient_steps=4)
+    model = DQN("MlpPolicy", env, seed=0, num_threads=num_threads, **{**SMALL, **extra})
+    assert th.get_num_threads() == 1  # acting runs on one thread either way
+    seen = _threads_seen_in_train(model)
+    model.learn(300)
+    assert seen and set(seen) == {expected}
+    assert th.get_num_threads() == 1  # restored after every train()
+    # A count the user set themselves is never changed (3: neither torch's start-up value here nor our default).
+    th.set_num_threads(3)
+    assert torch_utils.update_num_threads(10**9, None, th.device("cpu")) is None

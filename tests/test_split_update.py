@@ -129,20 +129,16 @@ def test_auto_runs_split_on_two_cpus_and_learns_cartpole() -> None:
     assert not _running(pid)
 
 
-def test_split_update_follows_its_argument_and_the_process_rules() -> None:
+def test_split_update_follows_its_argument_and_the_process_rules(torch_threads_restored: None) -> None:
     with pytest.raises(UserError, match="split_update='yes' is invalid"):
         _model(split_update="yes")
     assert _model(split_update=False).split_update_unsupported_reason() == "split_update=False"
     assert "recompute_advantages" in str(_model(recompute_advantages=True).split_update_unsupported_reason())
     assert _model(split_update=True).split_update_unsupported_reason() is None
-    previous = th.get_num_threads()
     model = _model()
     th.set_num_threads(2)
-    try:
-        if split_update.available_cpus() >= 2:
-            assert "several threads" in str(model.split_update_unsupported_reason())
-    finally:
-        th.set_num_threads(previous)
+    if split_update.available_cpus() >= 2:
+        assert "several threads" in str(model.split_update_unsupported_reason())
 
 
 def test_a_killed_helper_raises_one_clear_error_instead_of_hanging() -> None:

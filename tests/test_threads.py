@@ -26,13 +26,11 @@ CASES = [
 
 
 @pytest.fixture
-def startup_threads():
-    """Torch's own default here (every core), restored after the test; skips on a one-core machine."""
-    before = th.get_num_threads()
+def startup_threads(torch_threads_restored):
+    """Torch's own default here (every core); skips on a one-core machine."""
     if torch_utils._STARTUP_NUM_THREADS < 2:
         pytest.skip("torch's default is one thread here")
-    yield torch_utils._STARTUP_NUM_THREADS
-    th.set_num_threads(before)
+    return torch_utils._STARTUP_NUM_THREADS
 
 
 @pytest.mark.parametrize("cls, policy, action_space, kwargs", CASES, ids=[c[0].__name__ for c in CASES])
@@ -58,7 +56,7 @@ TRAINED_CNNS = [
 
 
 @pytest.mark.parametrize("cls, kwargs", TRAINED_CNNS, ids=[c[0].__name__ for c in TRAINED_CNNS])
-def test_convolutions_train_on_channels_last_inputs(cls, kwargs):
+def test_convolutions_train_on_channels_last_inputs(cls, kwargs, torch_threads_restored):
     # 4 stacked channels: a one-channel image is contiguous in both memory orders
     env = VecFrameStack(make_vec_env(lambda: BoxObsEnv(DISCRETE, image=True), n_envs=1, seed=0), 4)
     model = cls("CnnPolicy", env, seed=0, **kwargs)
