@@ -14,10 +14,12 @@ _LAZY = {
     "A2C": "sb3_speedups.a2c:A2C",
     "MaskablePPO": "sb3_speedups.ppo_mask:MaskablePPO",
     "DQN": "sb3_speedups.dqn:DQN",
+    "QRDQN": "sb3_speedups.qrdqn:QRDQN",
     "RecurrentPPO": "sb3_speedups.ppo_recurrent:RecurrentPPO",
     "SAC": "sb3_speedups.sac:SAC",
     "TD3": "sb3_speedups.td3:TD3",
     "DDPG": "sb3_speedups.ddpg:DDPG",
+    "TQC": "sb3_speedups.tqc:TQC",
 }
 
 # Needs an extra (sb3-speedups[ray]); left out of __all__ so that a star import works without it.

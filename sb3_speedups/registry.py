@@ -71,8 +71,10 @@ ALGOS: dict[str, AlgoSpec] = {
         AlgoSpec(
             "ddpg", "stable_baselines3:DDPG", fast="sb3_speedups.ddpg:DDPG", sampler="sb3_speedups.tune.spaces:td3_space"
         ),
-        AlgoSpec("qrdqn", "sb3_contrib:QRDQN"),
-        AlgoSpec("tqc", "sb3_contrib:TQC"),
+        AlgoSpec(
+            "qrdqn", "sb3_contrib:QRDQN", fast="sb3_speedups.qrdqn:QRDQN", sampler="sb3_speedups.tune.spaces:qrdqn_space"
+        ),
+        AlgoSpec("tqc", "sb3_contrib:TQC", fast="sb3_speedups.tqc:TQC", sampler="sb3_speedups.tune.spaces:tqc_space"),
         AlgoSpec("trpo", "sb3_contrib:TRPO"),
         AlgoSpec("ars", "sb3_contrib:ARS"),
         AlgoSpec("crossq", "sb3_contrib:CrossQ"),

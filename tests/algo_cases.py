@@ -17,18 +17,21 @@ import numpy as np
 import pytest
 import sb3_contrib
 import stable_baselines3
+from stable_baselines3 import HerReplayBuffer
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
 from stable_baselines3.common.vec_env import VecEnv
 from gymnasium.spaces import Box, Discrete
 
-from sb3_speedups import A2C, DDPG, DQN, PPO, SAC, TD3, RecurrentPPO
+from sb3_speedups import A2C, DDPG, DQN, PPO, QRDQN, SAC, TD3, TQC, RecurrentPPO
 from sb3_speedups.ppo_mask import MaskablePPO
 from sb3_speedups.ppo_recurrent.collection import frozen_actor_unsupported_reason
 from tests.space_envs import (
     BatchNormExtractor,
     code_envs,
+    bit_flipping_envs,
+    dict_envs,
     dict_pendulum_env,
     dqn_env,
     image_env,
@@ -166,6 +169,7 @@ DQN_SMALL = dict(
     policy_kwargs=dict(net_arch=[32, 32]),
 )
 SEEDED_DQN = {**DQN_SMALL, "seed": 3}
+SEEDED_QRDQN = {**SEEDED_DQN, "policy_kwargs": dict(net_arch=[32, 32], n_quantiles=10)}
 REPLAY_FIELDS = ("observations", "next_observations", "actions", "rewards", "dones", "timeouts")
 DQN_CASE = dict(engine_of=updater_engine, engine="HandDerivedQUpdate", learn_steps=700, more_steps=300, exact=REPLAY_FIELDS)
 RECURRENT_SMALL = dict(n_steps=32, batch_size=64, n_epochs=2, policy_kwargs=dict(lstm_hidden_size=16, net_arch=[16]), seed=0)
@@ -227,7 +231,15 @@ OFF_POLICY_CASE = dict(
     # float32 sums in another order (batched products, fused Adam): parameters within 3e-7 of stock's after ~100 updates
     param_atol=1e-6,
 )
+# One-hot inputs to a critic: a weight whose gradient sums a hot column's errors to nearly 0 takes Adam's first step
+# (the gradient over its own magnitude) from float32 rounding of that sum: 2.8e-6 seen on one weight of
+# sac-multidiscrete-obs (seed 3; seeds 1, 2, 4: within 6e-8), under a tolerance of 1e-5
+ONE_HOT_ADAM = dict(close=("actions", "rewards"), param_atol=1e-5)
+# goal relabelling with SB3's HerReplayBuffer (its minibatches sampled many at a time by ours)
+HER = dict(replay_buffer_class=HerReplayBuffer, replay_buffer_kwargs=dict(n_sampled_goal=2, goal_selection_strategy="future"))
 SAC_CASE = {**OFF_POLICY_CASE, "engine": "HandDerivedSACUpdate"}
+# TQC runs SAC's update with TQC's critic loss (sb3_speedups.tqc.quantile_loss)
+TQC_SMALL = {**OFF_POLICY_SMALL, "policy_kwargs": dict(net_arch=[32, 32], n_quantiles=5)}
 TD3_CASE = {**OFF_POLICY_CASE, "engine": "HandDerivedTD3Update"}
 
 
@@ -354,7 +366,32 @@ CASES = [
     ),
     AlgoCase(
         "sac-dict", SAC, stable_baselines3.SAC, dict_pendulum_env, {**OFF_POLICY_SMALL, "ent_coef": 0.05},
-        policy="MultiInputPolicy", **{**SAC_CASE, "engine": "AutogradSACUpdate", "close": ("actions", "rewards")},
+        policy="MultiInputPolicy", **{**SAC_CASE, "close": ("observations", "actions", "rewards")},
+    ),
+    AlgoCase("tqc", TQC, sb3_contrib.TQC, seeded_envs("Pendulum-v1", 1, 3), TQC_SMALL, **SAC_CASE),
+    AlgoCase(
+        "tqc-fixed-ent-coef-4envs", TQC, sb3_contrib.TQC, PENDULUM_ENV,
+        {**TQC_SMALL, "ent_coef": 0.1, "target_update_interval": 2, "top_quantiles_to_drop_per_net": 1}, **SAC_CASE,
+    ),
+    AlgoCase(
+        "tqc-gsde", TQC, sb3_contrib.TQC, PENDULUM_ENV, {**TQC_SMALL, "use_sde": True},
+        **{**SAC_CASE, "engine": "AutogradSACUpdate"},
+    ),
+    AlgoCase(
+        "sac-her", SAC, stable_baselines3.SAC, bit_flipping_envs(continuous=True, n_envs=2), {**OFF_POLICY_SMALL, **HER},
+        policy="MultiInputPolicy", **SAC_CASE,
+    ),
+    AlgoCase(
+        "sac-multidiscrete-obs", SAC, stable_baselines3.SAC, code_envs("obs_multidiscrete", continuous=True, n_envs=1),
+        OFF_POLICY_SMALL, **{**SAC_CASE, **ONE_HOT_ADAM}, exact=("observations",),
+    ),
+    AlgoCase(
+        "td3-discrete-obs", TD3, stable_baselines3.TD3, code_envs("obs_discrete", continuous=True, n_envs=1),
+        OFF_POLICY_SMALL, **{**TD3_CASE, **ONE_HOT_ADAM}, exact=("observations",),
+    ),
+    AlgoCase(
+        "td3-her", TD3, stable_baselines3.TD3, bit_flipping_envs(continuous=True), {**OFF_POLICY_SMALL, **HER},
+        policy="MultiInputPolicy", **TD3_CASE,
     ),
     AlgoCase(
         "td3", TD3, stable_baselines3.TD3, seeded_envs("Pendulum-v1", 1, 3),
@@ -406,9 +443,34 @@ CASES = [
         "ppo-mask-discrete-obs", MaskablePPO, sb3_contrib.MaskablePPO, masked_discrete_obs_env(40, 20), SEEDED_MASK,
         **MASK_CASE,
     ),
+    AlgoCase(
+        "ppo-dict", PPO, stable_baselines3.PPO, dict_envs(), SEEDED_PPO, policy="MultiInputPolicy", **PPO_FAST, **PPO_BUFFER
+    ),
+    AlgoCase(
+        "a2c-dict", A2C, stable_baselines3.A2C, dict_envs(), SEEDED_A2C, updater_engine, "HandDerivedA2CUpdate",
+        policy="MultiInputPolicy", **PPO_BUFFER,
+    ),
+    AlgoCase(
+        "dqn-dict", DQN, stable_baselines3.DQN, dict_envs(n_envs=1), SEEDED_DQN, policy="MultiInputPolicy", **DQN_CASE
+    ),
     AlgoCase("dqn-frozenlake", DQN, stable_baselines3.DQN, seeded_envs("FrozenLake-v1", 1, 3), SEEDED_DQN, **DQN_CASE),
     AlgoCase(
+        "dqn-her", DQN, stable_baselines3.DQN, bit_flipping_envs(continuous=False), {**SEEDED_DQN, **HER},
+        policy="MultiInputPolicy", **DQN_CASE,
+    ),
+    AlgoCase(
         "dqn-multidiscrete-obs", DQN, stable_baselines3.DQN, code_envs("obs_multidiscrete"), SEEDED_DQN, **DQN_CASE
+    ),
+    AlgoCase("qrdqn", QRDQN, sb3_contrib.QRDQN, dqn_env(1), SEEDED_QRDQN, **DQN_CASE),
+    AlgoCase("qrdqn-defaults-2envs", QRDQN, sb3_contrib.QRDQN, dqn_env(2), {"seed": 3}, **DQN_CASE),
+    AlgoCase(
+        "qrdqn-autograd", QRDQN, sb3_contrib.QRDQN, dqn_env(1), {**SEEDED_QRDQN, "max_grad_norm": 0.5},
+        ours_kwargs=dict(fast_update=False), **{**DQN_CASE, "engine": "AutogradQUpdate"},
+    ),
+    AlgoCase(
+        "qrdqn-cnn", QRDQN, sb3_contrib.QRDQN, image_env(Discrete(3)),
+        {**SEEDED_DQN, "policy_kwargs": dict(net_arch=[16], n_quantiles=5)}, policy="CnnPolicy",
+        **{**DQN_CASE, "engine": "AutogradQUpdate", "learn_steps": 400},
     ),
     AlgoCase(
         "recurrent-lstm", RecurrentPPO, sb3_contrib.RecurrentPPO, kwargs={**RECURRENT_SMALL, "policy_kwargs": RNN_KWARGS},
@@ -418,6 +480,11 @@ CASES = [
         "recurrent-shared-lstm", RecurrentPPO, sb3_contrib.RecurrentPPO,
         kwargs={**RECURRENT_SMALL, "policy_kwargs": {**RNN_KWARGS, "shared_lstm": True, "enable_critic_lstm": False}},
         engine="stock collection, FastRecurrentRolloutBuffer, flat Adam", **RECURRENT_CASE,
+    ),
+    AlgoCase(
+        "recurrent-dict", RecurrentPPO, sb3_contrib.RecurrentPPO, kwargs={**RECURRENT_SMALL, "policy_kwargs": RNN_KWARGS},
+        engine="frozen-actor collection, RecurrentDictRolloutBuffer, flat Adam",
+        **{**RECURRENT_CASE, "env": dict_envs(codes=False), "policy": "MultiInputLstmPolicy"},
     ),
     AlgoCase(
         "recurrent-gru", RecurrentPPO, None, kwargs={**RECURRENT_SMALL, "policy_kwargs": RNN_KWARGS},

@@ -11,7 +11,7 @@ import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.env_util import make_vec_env
 from sb3_contrib.common.envs import InvalidActionEnvDiscrete
-from stable_baselines3.common.envs import SimpleMultiObsEnv
+from stable_baselines3.common.envs import BitFlippingEnv, SimpleMultiObsEnv
 from stable_baselines3.common.preprocessing import get_flattened_obs_dim
 from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
 from stable_baselines3.common.vec_env import VecEnv
@@ -70,8 +70,10 @@ class CodeObsEnv(BoxObsEnv):
     encodes the first two) and ``Discrete(3)`` actions, rewarded for naming the observation's sum modulo 3.
     """
 
-    def __init__(self, observation_space: spaces.Space, episode_length: int = 12) -> None:
-        super().__init__(spaces.Discrete(3), episode_length)
+    def __init__(
+        self, observation_space: spaces.Space, episode_length: int = 12, action_space: spaces.Space | None = None
+    ) -> None:
+        super().__init__(action_space or spaces.Discrete(3), episode_length)
         self.observation_space = observation_space
 
     def _observe(self):
@@ -84,7 +86,11 @@ class CodeObsEnv(BoxObsEnv):
 
     def step(self, action):
         self.t += 1
-        reward = float(int(action) == int(np.sum(self.state)) % 3)
+        code = int(np.sum(self.state)) % 3
+        if isinstance(self.action_space, spaces.Box):  # continuous actions: aim their sum at the code
+            reward = -abs(float(np.sum(action)) - (code - 1))
+        else:
+            reward = float(int(action) == code)
         self.state = self._observe()
         return self.state, reward, False, self.t >= self.episode_length, {}
 
@@ -99,6 +105,51 @@ OBSERVATION_SPACES = {
 def code_env(name: str, n_envs: int = 4, seed: int = 0) -> VecEnv:
     """:return: seeded :class:`CodeObsEnv` envs with the observation space :data:`OBSERVATION_SPACES` names"""
     return make_vec_env(lambda: CodeObsEnv(OBSERVATION_SPACES[name]), n_envs=n_envs, seed=seed)
+
+
+class DictObsEnv(CodeObsEnv):
+    """
+    :class:`CodeObsEnv` with ``Dict`` observations of vector entries (``MultiInputPolicy``'s ``CombinedExtractor``
+    flattens each, one-hot encoding the ``Discrete`` and ``MultiDiscrete`` ones), the reward counting their codes.
+    """
+
+    def __init__(self, episode_length: int = 12, codes: bool = True) -> None:
+        entries: dict[str, spaces.Space] = {
+            "state": spaces.Box(-1, 1, (2, 2), np.float32),
+            "goal": spaces.Box(-1, 1, (3,), np.float64),
+            "flags": spaces.MultiBinary(2),
+        }
+        if codes:  # (sb3-contrib's recurrent policies cannot size their LSTM for these: numpy integers)
+            entries.update(mode=spaces.Discrete(4), code=spaces.MultiDiscrete([3, 2]))
+        super().__init__(spaces.Dict(entries), episode_length)
+
+    def _observe(self):
+        rng = self.np_random
+        obs = {
+            "state": rng.uniform(-1, 1, (2, 2)).astype(np.float32),
+            "goal": rng.uniform(-1, 1, 3),
+            "flags": rng.integers(0, 2, 2).astype(np.int8),
+        }
+        if "mode" in self.observation_space.spaces:
+            obs.update(mode=int(rng.integers(4)), code=rng.integers([3, 2]))
+        return obs
+
+    def step(self, action):
+        self.t += 1
+        codes = int(self.state.get("mode", 0)) + int(np.sum(self.state.get("code", self.state["flags"])))
+        reward = float(int(action) == codes % 3)
+        self.state = self._observe()
+        return self.state, reward, False, self.t >= self.episode_length, {}
+
+
+def dict_envs(n_envs: int = 4, seed: int = 3, episode_length: int = 6, codes: bool = True) -> Callable[[], VecEnv]:
+    """:return: a factory of seeded :class:`DictObsEnv` envs (short episodes: starts and timeouts in a rollout)"""
+    return lambda: make_vec_env(lambda: DictObsEnv(episode_length, codes), n_envs=n_envs, seed=seed)
+
+
+def bit_flipping_envs(continuous: bool, n_envs: int = 1) -> Callable[[], VecEnv]:
+    """:return: a factory of SB3's goal env (``Dict`` of achieved / desired goals; HER relabels its goals), seeded"""
+    return lambda: make_vec_env(lambda: BitFlippingEnv(n_bits=4, continuous=continuous, max_steps=4), n_envs=n_envs, seed=3)
 
 
 ROLLOUT_CASES = [*ACTION_SPACES, *OBSERVATION_SPACES, "cartpole", "cartpole_fallback", "box_sde", "dict", "image"]
@@ -166,10 +217,14 @@ def masked_discrete_obs_env(dim: int, n_invalid_actions: int) -> Callable[[], Ve
     )
 
 
-def code_envs(name: str, seed: int = 3) -> Callable[[], VecEnv]:
-    """:return: a factory of seeded :func:`code_env` envs (episodes of 6 steps: starts and timeouts in a rollout)"""
+def code_envs(name: str, seed: int = 3, continuous: bool = False, n_envs: int = 4) -> Callable[[], VecEnv]:
+    """
+    :param continuous: ``Box(-1, 1, (2,))`` actions instead of ``Discrete(3)``
+    :return: a factory of seeded :func:`code_env` envs (episodes of 6 steps: starts and timeouts in a rollout)
+    """
     space = OBSERVATION_SPACES[name]
-    return lambda: make_vec_env(lambda: CodeObsEnv(space, episode_length=6), n_envs=4, seed=seed)
+    actions = spaces.Box(-1, 1, (2,), np.float32) if continuous else spaces.Discrete(3)
+    return lambda: make_vec_env(lambda: CodeObsEnv(space, episode_length=6, action_space=actions), n_envs=n_envs, seed=seed)
 
 
 class BatchNormExtractor(BaseFeaturesExtractor):

@@ -100,6 +100,19 @@ def test_stock_1t_keeps_sb3_adam_settings():
     model.learn(32)
 
 
+def test_stock_1t_fuses_an_off_policy_actor_and_critic():
+    import torch as th
+    from sb3_contrib import TQC as StockTQC
+
+    from sb3_speedups.bench.worker import use_fused_adam
+
+    model = StockTQC("MlpPolicy", "Pendulum-v1", learning_starts=8, batch_size=8, policy_kwargs=dict(net_arch=[8]))
+    use_fused_adam(model)  # TQC's policy has no optimizer of its own: its actor and critic have one each
+    for part in (model.policy.actor, model.policy.critic):
+        assert type(part.optimizer) is th.optim.Adam and part.optimizer.defaults["fused"]
+    model.learn(16)
+
+
 def test_peak_memory_counts_live_descendants_not_ended_ones():
     base = tree_pss_mb()
     code = "import sys, time; b = b'x' * (100 * 2**20); print('ready', flush=True); time.sleep(60)"

@@ -11,6 +11,7 @@ from stable_baselines3 import PPO as StockPPO
 from sb3_speedups.cli import main
 from sb3_speedups.registry import get_algo
 from sb3_speedups.zoo.hyperparams import rl_zoo_hyperparams_dir
+from sb3_speedups.zoo.validation import validate_model_kwargs
 from tests.helpers import run_cli
 
 FAST_PPO = ["-params", "n_envs:2", "n_steps:64", "batch_size:64", "n_epochs:2"]
@@ -155,6 +156,14 @@ BAD_INPUTS = [
     (
         ["train", "--algo", "ppo", "--env", "CartPole-v1", "-params", "n_steps:abc"],
         "invalid hyperparameter n_steps='abc' for ppo: expected an integer >= 1",
+    ),
+    (
+        ["train", "--algo", "sac", "--env", "Pendulum-v1", "-params", "ent_coef:'auto_x'"],
+        "invalid hyperparameter ent_coef='auto_x' for sac: expected a number >= 0, 'auto' or 'auto_<initial value > 0>'",
+    ),
+    (
+        ["train", "--algo", "ppo", "--env", "CartPole-v1", "-params", "ent_coef:'auto'"],
+        "invalid hyperparameter ent_coef='auto' for ppo: expected a number >= 0 (PPO learns no entropy coefficient)",
     ),
     (
         ["train", "--algo", "ppo", "--env", "CartPole-v1", "-params", "learning_rate:exp_0.1"],
@@ -321,3 +330,10 @@ def test_an_env_with_a_missing_dependency_gives_the_library_message_in_one_line(
         del gym.registry[env_id]
     err = capsys.readouterr().err
     assert err == f"sb3-speedups train: error: cannot make {env_id}: {message}\n"
+
+
+@pytest.mark.parametrize("value", ["auto", "auto_0.1", 0.05])
+def test_learned_entropy_coefficients_are_valid_hyperparameters(value):
+    """The RL Zoo's SAC and TQC files set ``ent_coef: 'auto'`` (learned from 1.0) or ``'auto_0.1'`` (from 0.1)."""
+    for algo in ("sac", "tqc"):
+        validate_model_kwargs(get_algo(algo).cls(), {"ent_coef": value}, algo)

@@ -1,5 +1,7 @@
 """Ours equals stock SB3 / sb3-contrib: same seed, same rollouts, same parameters, same callbacks (every AlgoCase)."""
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch as th
@@ -67,14 +69,14 @@ def test_learning_equals_stock(case: AlgoCase) -> None:
         # sub-rounding differences before it cannot add up in the observations to more than that tolerance).
         parted = first_parting_step(ours_buffer.actions[:stored], stock_buffer.actions[:stored], case.buffer_atol / 10)
         rows = slice(0, parted)
-    for name in case.exact:
-        expected = np.asarray(getattr(stock_buffer, name))[rows]
-        got = as_stock_layout(np.asarray(getattr(ours_buffer, name))[rows], expected)
-        np.testing.assert_array_equal(got, expected, name)
-    for name in case.close:
-        expected = np.asarray(getattr(stock_buffer, name))[rows]
-        got = as_stock_layout(np.asarray(getattr(ours_buffer, name))[rows], expected)
-        np.testing.assert_allclose(got, expected, rtol=0, atol=case.buffer_atol, err_msg=name)
+    for name in (*case.exact, *case.close):
+        for label, got_field, stock_field in entries(name, getattr(ours_buffer, name), getattr(stock_buffer, name)):
+            expected = np.asarray(stock_field)[rows]
+            got = as_stock_layout(np.asarray(got_field)[rows], expected)
+            if name in case.exact:
+                np.testing.assert_array_equal(got, expected, label)
+            else:
+                np.testing.assert_allclose(got, expected, rtol=0, atol=case.buffer_atol, err_msg=label)
     if parted is None or parted == stored:
         assert_close_states(ours.policy.state_dict(), stock.policy.state_dict(), case, "at the end")
     if parted is not None:
@@ -87,6 +89,13 @@ def test_learning_equals_stock(case: AlgoCase) -> None:
             assert_close_states(ours_state, stock_state, case, f"at step {steps}")
         trained = [i for i in compared if starts[i][0][1] > 0]
         assert len(trained) >= 3 or parted == stored, f"actions parted at step {parted}, after {len(trained)} train() calls"
+
+
+def entries(name: str, ours: Any, stock: Any) -> list[tuple[str, Any, Any]]:
+    """:return: a buffer field of ours and stock's, as (label, ours, stock) per entry of ``Dict`` observations"""
+    if isinstance(stock, dict):
+        return [(f"{name}.{key}", ours[key], stock[key]) for key in stock]
+    return [(name, ours, stock)]
 
 
 @pytest.mark.parametrize("case", WITH_STOCK)

@@ -17,6 +17,7 @@ from stable_baselines3.dqn.policies import DQNPolicy
 from sb3_speedups.common.nn.heads import BernoulliHead, CategoricalHead, DiagGaussianHead
 from sb3_speedups.common.nn.flat import FlatParameters
 from sb3_speedups.dqn.update import HandDerivedQUpdate, huber_
+from sb3_speedups.qrdqn.head import QuantileHead
 
 N = 29  # rows of a minibatch
 
@@ -110,6 +111,37 @@ def test_dqn_huber_gradient_equals_autograd(weighted, net_arch, activation):
     th.testing.assert_close(td, (q - target).detach())
 
 
+@pytest.mark.parametrize("net_arch, activation", [([16, 16], th.nn.ReLU), ([8], th.nn.Tanh), ([], th.nn.ReLU)])
+def test_quantile_huber_gradient_equals_autograd(net_arch, activation):
+    # the gradient HandDerivedQUpdate.step writes with QR-DQN's head (no clipping) against autograd of sb3-contrib's
+    # quantile_huber_loss, for pairwise errors on both sides of |delta| = 1 and of 0
+    from sb3_contrib.common.utils import quantile_huber_loss
+    from sb3_contrib.qrdqn.policies import QRDQNPolicy
+
+    th.manual_seed(0)
+    n_quantiles, obs_space, action_space = 7, spaces.Box(-1, 1, (5,)), spaces.Discrete(3)
+    policy = QRDQNPolicy(
+        obs_space, action_space, lambda _: 1e-3, n_quantiles=n_quantiles, net_arch=net_arch, activation_fn=activation
+    )
+    stock = copy.deepcopy(policy)
+    update = HandDerivedQUpdate(policy, QuantileHead(n_quantiles, 3))
+    gen = th.Generator().manual_seed(2)
+    obs, actions = th.randn(N, 5, generator=gen), th.randint(0, 3, (N, 1), generator=gen)
+    target = th.randn(N, n_quantiles, generator=gen) * 2.0
+
+    step_loss = update.step(obs, actions, target, None, max_grad_norm=None)
+
+    index = actions[..., None].expand(N, n_quantiles, 1)
+    expected = th.gather(stock.quantile_net(obs), dim=2, index=index).squeeze(dim=2)
+    delta = target.unsqueeze(1) - expected.unsqueeze(2)
+    assert (delta.abs() > 1).any() and (delta.abs() < 1).any() and (delta < 0).any() and (delta > 0).any()
+    loss = quantile_huber_loss(expected, target, sum_over_quantiles=True)
+    grads = th.autograd.grad(loss, list(stock.quantile_net.parameters()))
+    for p, g in zip(policy.quantile_net.parameters(), grads, strict=True):
+        th.testing.assert_close(update.flat.grad_of(p), g, rtol=1e-5, atol=1e-7)
+    th.testing.assert_close(step_loss, loss.detach())  # the logged loss, by its own formula: float32 rounding
+
+
 @pytest.mark.parametrize("max_norm", [0.1, 1e3])
 def test_clip_divisor_clips_as_clip_grad_norm(max_norm):
     # dividing by clip_divisor (what FlatAdam does inside its kernel) against torch.nn.utils.clip_grad_norm_
@@ -125,3 +157,37 @@ def test_clip_divisor_clips_as_clip_grad_norm(max_norm):
     clipped = flat.grad if divisor is None else flat.grad / divisor
     for p in params:
         th.testing.assert_close(clipped[flat.offset(p) : flat.offset(p) + p.numel()].view_as(p), p.grad)
+
+
+@pytest.mark.parametrize("n_critics, n_quantiles, dropped", [(2, 5, 1), (3, 4, 0), (1, 6, 2)])
+def test_tqc_quantile_huber_gradient_equals_autograd(n_critics, n_quantiles, dropped):
+    # the gradient TruncatedQuantileLoss.critic_step writes (before its Adam step) and the loss it logs, against autograd
+    # of sb3-contrib's quantile_huber_loss(sum_over_quantiles=False) on TQC's critic, pairwise errors on both sides of
+    # 0 and of +-1
+    from sb3_contrib.common.utils import quantile_huber_loss
+    from sb3_contrib.tqc.policies import TQCPolicy
+
+    from sb3_speedups.common.off_policy.critics import StackedCritics
+    from sb3_speedups.tqc.quantile_loss import TruncatedQuantileLoss
+
+    th.manual_seed(0)
+    obs_space, action_space = spaces.Box(-1, 1, (3,)), spaces.Box(-1, 1, (2,))
+    policy = TQCPolicy(obs_space, action_space, lambda _: 1e-3, net_arch=[16, 8], n_quantiles=n_quantiles, n_critics=n_critics)
+    stock = copy.deepcopy(policy.critic)
+    loss_of = TruncatedQuantileLoss(n_critics, n_quantiles, dropped)
+    critics = StackedCritics(policy.critic, policy.critic_target, policy.critic.optimizer, loss_of.critic_class)
+    critics.adam.step = lambda: None  # the gradient before the step
+    gen = th.Generator().manual_seed(2)
+    obs, actions = th.randn(N, 3, generator=gen), th.rand(N, 2, generator=gen) * 2 - 1
+    target = th.sort(th.randn(N, loss_of.n_target_quantiles, generator=gen) * 1.5, dim=1).values
+
+    loss = loss_of.critic_step(critics, th.cat([obs, actions], dim=1), target)
+
+    current = stock(obs, actions)
+    delta = target[:, None, None, :] - current.unsqueeze(-1)
+    assert (delta.abs() > 1).any() and (delta.abs() < 1).any() and (delta < 0).any() and (delta > 0).any()
+    expected = quantile_huber_loss(current, target.unsqueeze(1), sum_over_quantiles=False)
+    grads = th.autograd.grad(expected, list(stock.parameters()))
+    for p, g in zip(policy.critic.parameters(), grads, strict=True):
+        th.testing.assert_close(critics.flat.grad_of(p), g, rtol=1e-5, atol=1e-7)
+    th.testing.assert_close(loss, expected.detach())

@@ -6,13 +6,15 @@ import numpy as np
 import pytest
 import torch as th
 from gymnasium import spaces
-from stable_baselines3.common.policies import ActorCriticPolicy
+from stable_baselines3.common.policies import ActorCriticPolicy, MultiInputActorCriticPolicy
 from stable_baselines3.common.preprocessing import get_flattened_obs_dim, preprocess_obs
+from stable_baselines3.common.utils import obs_as_tensor
 from torch import nn
 
 from sb3_speedups.common.acting.torch_mlp import TorchMlp
 from sb3_speedups.common.acting.numpy_actor import NumpyActorCritic, NumpyMlp
 from sb3_speedups.common.nn.actor_critic import mlp_unsupported_reason, parse_actor_critic
+from sb3_speedups.common.nn.inputs import flat_input_unsupported_reason, float_rows
 from sb3_speedups.common.nn.blocked import BlockedMlpForward, forward_in_blocks
 from sb3_speedups.common.nn.mlp import NONE, RELU, TANH, parse_mlp, parse_output_mlp, stack
 from sb3_speedups.common.nn.actor_critic_mlp import ActorCriticMlp
@@ -232,3 +234,41 @@ def test_one_hot_inputs_that_the_executors_cannot_take_are_reported():
     assert mlp_unsupported_reason(binary) is None  # float rows, as a flat Box
     ac = parse_actor_critic(binary)
     assert not isinstance(ac, str) and ac.pi.one_hot is None
+
+
+DICT_SPACE = spaces.Dict(
+    {
+        "state": spaces.Box(-1, 1, (2, 2), np.float32),
+        "mode": spaces.Discrete(4),
+        "goal": spaces.Box(-1, 1, (3,), np.float64),
+        "code": spaces.MultiDiscrete([3, 2]),
+        "flags": spaces.MultiBinary(2),
+    }
+)
+
+
+def test_dict_observations_are_the_float_rows_of_stocks_combined_extractor():
+    """``MultiInputPolicy``'s extractor on SB3's preprocessing: the rows ours makes from tensors and from numpy."""
+    policy = MultiInputActorCriticPolicy(DICT_SPACE, spaces.Discrete(3), lambda _: 1e-3, net_arch=[8])
+    assert mlp_unsupported_reason(policy) is None
+    DICT_SPACE.seed(3)
+    samples = [DICT_SPACE.sample() for _ in range(9)]
+    obs = {key: np.stack([np.asarray(s[key]) for s in samples]) for key in DICT_SPACE.spaces}
+    with th.no_grad():
+        expected = policy.extract_features(obs_as_tensor(obs, "cpu"), policy.features_extractor)
+    rows = float_rows(DICT_SPACE)
+    assert rows.width == expected.shape[1] == 4 + 4 + 3 + 5 + 2
+    th.testing.assert_close(rows.rows(obs), expected, rtol=0, atol=0)  # the same values, copied
+    np.testing.assert_array_equal(rows.rows_numpy(obs), expected.numpy())
+    ac = parse_actor_critic(policy)
+    assert not isinstance(ac, str) and ac.pi.dict_input == rows and ac.pi.one_hot is None
+    th.testing.assert_close(ac.pi.inputs(obs_as_tensor(obs, "cpu")), expected, rtol=0, atol=0)
+
+
+def test_dict_observations_the_executors_cannot_take_are_reported():
+    image = spaces.Dict({"pixels": spaces.Box(0, 255, (1, 36, 36), np.uint8), "state": spaces.Box(-1, 1, (3,))})
+    assert "entry 'pixels'" in flat_input_unsupported_reason(image)
+    nested = spaces.Dict({"inner": spaces.Dict({"state": spaces.Box(-1, 1, (3,))})})
+    assert "a nested Dict" in flat_input_unsupported_reason(nested)
+    policy = MultiInputActorCriticPolicy(image, spaces.Discrete(3), lambda _: 1e-3, net_arch=[8])
+    assert "not a flat Box" in mlp_unsupported_reason(policy)

@@ -20,6 +20,7 @@ from sb3_speedups.common.nn.heads.categorical import CategoricalHead
 from sb3_speedups.common.nn.heads.masked import MASKED_LOGIT, MaskedCategoricalHead, make_masked_head
 from sb3_speedups.ppo_mask import FastMaskableRolloutBuffer
 from sb3_speedups.registry import get_algo, import_object
+from tests.algo_cases import as_stock_layout
 
 SMALL = dict(n_steps=16, batch_size=32, n_epochs=2, seed=3, ent_coef=0.01)
 
@@ -192,15 +193,36 @@ def test_knapsack_invalid_action_ends_the_episode_and_masks_shrink() -> None:
     assert reward == 0.0 and terminated and info["invalid_action"]
 
 
-def test_dict_observations_run_sb3_contrib_code() -> None:
+def _dict_knapsack() -> gym.Env:
+    env = gym.make("MaskedKnapsack-v0")
+    return gym.wrappers.TransformObservation(env, lambda obs: {"x": obs}, gym.spaces.Dict({"x": env.observation_space}))
+
+
+def test_dict_observations_of_vector_entries_run_fast_with_stocks_updates() -> None:
+    models = [
+        cls("MultiInputPolicy", make_vec_env(_dict_knapsack, n_envs=2, seed=0), **SMALL).learn(128)
+        for cls in (MaskablePPO, sb3_contrib.MaskablePPO)
+    ]
+    ours, stock = models
+    assert ours._speedups is not None and ours.fast_path_unsupported_reason() is None
+    masks = ours.rollout_buffer.action_masks
+    assert not masks.all() and ours.num_timesteps == 128
+    stock_masks = stock.rollout_buffer.action_masks
+    np.testing.assert_array_equal(as_stock_layout(masks, stock_masks), stock_masks)
+    for key, value in stock.policy.state_dict().items():  # float32 rounding: the default tolerances, 1e-5
+        th.testing.assert_close(ours.policy.state_dict()[key], value, msg=key)
+
+
+def test_image_dict_observations_run_sb3_contrib_code() -> None:
     def make() -> gym.Env:
-        env = gym.make("MaskedKnapsack-v0")
-        return gym.wrappers.TransformObservation(env, lambda obs: {"x": obs}, gym.spaces.Dict({"x": env.observation_space}))
+        env = _dict_knapsack()
+        pixels = gym.spaces.Box(0, 255, (36, 36, 1), np.uint8)
+        space = gym.spaces.Dict({"x": env.observation_space["x"], "pixels": pixels})
+        return gym.wrappers.TransformObservation(env, lambda obs: {**obs, "pixels": pixels.sample()}, space)
 
     model = MaskablePPO("MultiInputPolicy", make_vec_env(make, n_envs=2, seed=0), **SMALL).learn(64)
-    assert model._speedups is None and "MaskableDictRolloutBuffer" in str(model.fast_path_unsupported_reason())
-    masks = model.rollout_buffer.action_masks.reshape(-1, 20)
-    assert not masks.all() and model.num_timesteps == 64
+    assert model._speedups is None and "entry 'pixels'" in str(model.fast_path_unsupported_reason())
+    assert model.num_timesteps == 64
 
 
 def test_masks_reader_equals_get_action_masks() -> None:

@@ -40,7 +40,8 @@ class _RolloutViews:
     """The flat training inputs of one rollout buffer on its own device: views made once, the same every update."""
 
     buffer: FastRolloutBase
-    observations: th.Tensor
+    #: ``[n, obs_dim]``, or ``Dict`` observations' entries ``[n, ...]``
+    observations: th.Tensor | dict[str, th.Tensor]
     actions: th.Tensor
     advantages: th.Tensor
     returns: th.Tensor
@@ -49,8 +50,7 @@ class _RolloutViews:
     def of(cls, buffer: FastRolloutBase) -> _RolloutViews:
         """:return: the views (observations ``[n, obs_dim]`` in the buffer's dtype: the update converts others than float32)"""
         observations = buffer.flat_observations()
-        assert isinstance(observations, th.Tensor)
-        x = observations.reshape(observations.shape[0], -1)
+        x = observations if isinstance(observations, dict) else observations.reshape(observations.shape[0], -1)
         return cls(buffer, x, *(buffer.flat(name) for name in ("actions", "advantages", "returns")))
 
 
@@ -155,8 +155,12 @@ class A2C(FastModel, stable_baselines3.A2C):
             if views is None or views.buffer is not buffer:
                 views = speed.views = _RolloutViews.of(buffer)
             device = self.device
-            observations, actions, advantages, returns = (
-                t.to(device) for t in (views.observations, views.actions, views.advantages, views.returns)
+            actions, advantages, returns = (t.to(device) for t in (views.actions, views.advantages, views.returns))
+            observations = views.observations
+            observations = (
+                {k: v.to(device) for k, v in observations.items()}
+                if isinstance(observations, dict)
+                else observations.to(device)
             )
             with th.inference_mode():  # no autograd is needed: without its dispatch every op is cheaper
                 stats = updater.update(observations, actions, advantages, returns, cfg)

@@ -142,21 +142,27 @@ class HandDerivedA2CUpdate:
         return self.policy.optimizer is self.optimizer.optimizer and self.flat.is_bound() and self.optimizer.is_bound()
 
     def update(
-        self, observations: th.Tensor, actions: th.Tensor, advantages: th.Tensor, returns: th.Tensor, cfg: A2CLossConfig
+        self,
+        observations: th.Tensor | dict[str, th.Tensor],
+        actions: th.Tensor,
+        advantages: th.Tensor,
+        returns: th.Tensor,
+        cfg: A2CLossConfig,
     ) -> th.Tensor:
         """
         One gradient step on the whole rollout.
 
         :param observations: observations ``[n, ...]``; pass the network's input itself (float32 rows ``[n, obs_dim]``,
-            or int64 one-hot columns), the same tensor every update, to spare the conversion and the input's views
+            or int64 one-hot columns), the same tensor every update, to spare the conversion and the input's views;
+            ``Dict`` observations as their entries
         :param actions: the stored float actions ``[n, action_dim]``
         :param advantages: ``[n]``
         :param returns: ``[n]``
         :param cfg: coefficients
         :return: the statistics (:data:`A2C_STATS`), a tensor kept until the next update
         """
-        n = observations.shape[0]
-        ws = self._ws.get(n) or self._ws.setdefault(n, A2CWorkspace.allocate(n, observations.device, self.head))
+        n = actions.shape[0]
+        ws = self._ws.get(n) or self._ws.setdefault(n, A2CWorkspace.allocate(n, actions.device, self.head))
         rows = ws.stat_rows
         out, values = self.net.forward(self.net.inputs(observations))
         self.head.forward(ws.head, out, self.head.training_actions(actions), self.net.log_std, ws.log_prob, rows[ENTROPY_LOSS])

@@ -101,17 +101,19 @@ class LearningCurveCallback(BaseCallback):
 
 def use_fused_adam(model: Any) -> None:
     """
-    Rebuild the policy's Adam as a fused Adam with the same settings (SB3's own ``eps=1e-5`` for actor-critic
-    policies included, which passing ``optimizer_kwargs`` would drop).
+    Rebuild the policy's Adam optimizers (an actor-critic's one, or an off-policy actor's and critic's) as fused Adams
+    with the same settings (SB3's own ``eps=1e-5`` for actor-critic policies included, which passing
+    ``optimizer_kwargs`` would drop).
 
-    :param model: a freshly built algorithm whose ``policy.optimizer`` may be a ``torch.optim.Adam``
+    :param model: a freshly built algorithm
     """
-    optimizer = model.policy.optimizer
-    if type(optimizer) is not th.optim.Adam or optimizer.defaults.get("fused"):
-        return
-    settings = {k: v for k, v in optimizer.defaults.items() if k not in ("foreach", "fused")}
-    groups = [{"params": group["params"]} for group in optimizer.param_groups]
-    model.policy.optimizer = th.optim.Adam(groups, **settings, fused=True)
+    for module in model.policy.modules():
+        optimizer = getattr(module, "optimizer", None)
+        if type(optimizer) is not th.optim.Adam or optimizer.defaults.get("fused"):
+            continue
+        settings = {k: v for k, v in optimizer.defaults.items() if k not in ("foreach", "fused")}
+        groups = [{"params": group["params"]} for group in optimizer.param_groups]
+        module.optimizer = th.optim.Adam(groups, **settings, fused=True)
 
 
 def run(bench: BenchRun) -> dict[str, Any]:

@@ -7,23 +7,35 @@ from typing import Any
 
 import numpy as np
 import torch as th
-from sb3_contrib.common.maskable.buffers import MaskableRolloutBuffer, MaskableRolloutBufferSamples
+from sb3_contrib.common.maskable.buffers import (
+    MaskableDictRolloutBuffer,
+    MaskableDictRolloutBufferSamples,
+    MaskableRolloutBuffer,
+    MaskableRolloutBufferSamples,
+)
 
-from sb3_speedups.ppo.buffers import FastRolloutBuffer
+from sb3_speedups.ppo.buffers import FastDictRolloutBuffer, FastRolloutBase, FastRolloutBuffer
 
 
-class FastMaskableRolloutBuffer(FastRolloutBuffer, MaskableRolloutBuffer):
+class FastMaskableBase(FastRolloutBase):
     """
-    Drop-in ``MaskableRolloutBuffer`` (same constructor, ``add(..., action_masks=...)``, ``action_masks``,
-    ``mask_dims`` and ``get``) on :class:`~sb3_speedups.ppo.buffers.FastRolloutBuffer`'s storage: the masks live in
-    ``tensors["action_masks"]`` (float32 ``[n_steps, n_envs, mask_dims]``, as sb3-contrib stores them), so the
-    update reads them flattened like every other field.
+    The action masks of sb3-contrib's maskable buffers on a fast buffer's storage: they live in
+    ``tensors["action_masks"]`` (float32 ``[n_steps, n_envs, mask_dims]``, as sb3-contrib stores them), so the update
+    reads them flattened like every other field.
     """
+
+    #: the sb3-contrib buffer class stood in for (its ``reset`` sizes the masks: ``mask_dims``)
+    _stock: Any
+    #: its samples' class
+    _samples: Any
+    action_masks: np.ndarray
+    mask_dims: int
+    device: th.device
 
     def _allocate(self) -> None:
-        # sb3-contrib's reset sizes the masks (mask_dims) for the action space; the rest it allocates is replaced next
-        MaskableRolloutBuffer.reset(self)
-        super()._allocate()
+        # sb3-contrib's reset sizes the masks for the action space; the rest it allocates is replaced next
+        self._stock.reset(self)
+        super()._allocate()  # type: ignore[misc]  # the storage's class, after this one in the MRO
         self.tensors["action_masks"] = th.from_numpy(self.action_masks)
 
     def reset(self) -> None:
@@ -36,10 +48,27 @@ class FastMaskableRolloutBuffer(FastRolloutBuffer, MaskableRolloutBuffer):
             self.action_masks[self.pos] = np.asarray(action_masks).reshape((self.n_envs, self.mask_dims))
         super().add(*args, **kwargs)
 
-    def get(self, batch_size: int | None = None) -> Generator[MaskableRolloutBufferSamples, None, None]:  # type: ignore[override]
+    def get(self, batch_size: int | None = None) -> Generator[Any, None, None]:
         for rows in self._sample_indices(batch_size):
             index = th.from_numpy(rows)
-            obs = self.flat_observations()[index].to(self.device)
+            obs = self.flat_observations()
+            obs = (
+                {k: v[index].to(self.device) for k, v in obs.items()} if isinstance(obs, dict) else obs[index].to(self.device)
+            )
             masks = self.flat("action_masks")[index].to(self.device)
-            actions, values, log_probs, advantages, returns = self._common_samples(rows, self.device)
-            yield MaskableRolloutBufferSamples(obs, actions, values, log_probs, advantages, returns, masks)
+            yield self._samples(obs, *self._common_samples(rows, self.device), masks)
+
+
+class FastMaskableRolloutBuffer(FastMaskableBase, FastRolloutBuffer, MaskableRolloutBuffer):  # type: ignore[misc]
+    """Drop-in ``MaskableRolloutBuffer`` (same constructor, ``add(..., action_masks=...)``, ``action_masks``,
+    ``mask_dims`` and ``get``) on :class:`~sb3_speedups.ppo.buffers.FastRolloutBuffer`'s storage."""
+
+    _stock = MaskableRolloutBuffer
+    _samples = MaskableRolloutBufferSamples
+
+
+class FastMaskableDictRolloutBuffer(FastMaskableBase, FastDictRolloutBuffer, MaskableDictRolloutBuffer):  # type: ignore[misc]
+    """The ``Dict``-observation twin (a drop-in ``MaskableDictRolloutBuffer``)."""
+
+    _stock = MaskableDictRolloutBuffer
+    _samples = MaskableDictRolloutBufferSamples

@@ -4,11 +4,11 @@ MaskablePPO as in sb3-contrib, faster, on PPO's engine. What differs from stock,
 - collection is PPO's (:func:`sb3_speedups.ppo.collection.collect_rollout`): one batched call of a frozen copy of the
   policy per vectorised step, with the envs' action masks (sb3-contrib's ``get_action_masks``) applied to the logits
   as sb3-contrib does (:mod:`sb3_speedups.common.nn.heads.masked`), into a buffer allocated once that also keeps the
-  masks (:class:`~sb3_speedups.ppo_mask.buffers.FastMaskableRolloutBuffer`);
+  masks (:class:`~sb3_speedups.ppo_mask.buffers.FastMaskableRolloutBuffer`, its ``Dict`` twin for vector entries);
 - ``train()`` is PPO's: one shuffle per epoch, the masks gathered with the actions, the hand-derived update
   (:class:`~sb3_speedups.ppo.update.HandDerivedPPOUpdate`) with the masked categorical head, fused Adam, optionally
   split over two processes or replayed from a CUDA graph;
-- anything else (CNN or ``Dict`` observations, custom policies or buffers, another optimizer) runs sb3-contrib's own
+- anything else (CNN or image ``Dict`` observations, custom policies or buffers, another optimizer) runs sb3-contrib's own
   code, unchanged.
 
 Saved files are sb3-contrib's (the speed-only state is not saved): each package loads the other's.
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import sb3_contrib
-from sb3_contrib.common.maskable.buffers import MaskableRolloutBuffer
+from sb3_contrib.common.maskable.buffers import MaskableDictRolloutBuffer, MaskableRolloutBuffer
 from sb3_contrib.common.maskable.utils import is_masking_supported
 from stable_baselines3.common.buffers import RolloutBuffer
 from stable_baselines3.common.callbacks import BaseCallback
@@ -37,7 +37,7 @@ from sb3_speedups.ppo.minibatches import MinibatchSampler
 from sb3_speedups.ppo.ppo import PPO, _Speedups
 from sb3_speedups.ppo.split_update import SplitPPOUpdate
 from sb3_speedups.ppo.update import HandDerivedPPOUpdate
-from sb3_speedups.ppo_mask.buffers import FastMaskableRolloutBuffer
+from sb3_speedups.ppo_mask.buffers import FastMaskableDictRolloutBuffer, FastMaskableRolloutBuffer, FastMaskableBase
 from sb3_speedups.ppo_mask.masks import masks_reader
 
 
@@ -100,9 +100,14 @@ class MaskablePPO(FastModel, sb3_contrib.MaskablePPO):
     speed_only_attributes: ClassVar[tuple[str, ...]] = ("_speedups", "_fallback_reason")
 
     def _after_stock_setup(self) -> None:
-        if self.rollout_buffer_class is MaskableRolloutBuffer:
+        fast_classes: dict[Any, type[FastMaskableBase]] = {
+            MaskableRolloutBuffer: FastMaskableRolloutBuffer,
+            MaskableDictRolloutBuffer: FastMaskableDictRolloutBuffer,
+        }
+        fast_class: Any = fast_classes.get(self.rollout_buffer_class)
+        if fast_class is not None:
             # The stock class name stays in rollout_buffer_class, so saved files load where this package is absent.
-            self.rollout_buffer = FastMaskableRolloutBuffer(
+            self.rollout_buffer = fast_class(
                 self.n_steps,
                 self.observation_space,
                 self.action_space,
@@ -117,7 +122,7 @@ class MaskablePPO(FastModel, sb3_contrib.MaskablePPO):
 
     def _unsupported_reason(self) -> str | None:
         """:return: why this model runs sb3-contrib's own collection and update, or ``None`` when it runs ours"""
-        if not isinstance(self.rollout_buffer, FastMaskableRolloutBuffer):
+        if not isinstance(self.rollout_buffer, FastMaskableBase):
             return f"rollout buffer {type(self.rollout_buffer).__name__} is not the default MaskableRolloutBuffer"
         reason = flat_input_unsupported_reason(self.observation_space) or mlp_unsupported_reason(self.policy)
         if reason is None and make_masked_head(self.policy.action_dist) is None:
@@ -156,7 +161,7 @@ class MaskablePPO(FastModel, sb3_contrib.MaskablePPO):
         use_masking: bool = True,
     ) -> bool:
         speed = self._ensure_speedups()
-        if speed is None or not isinstance(rollout_buffer, FastMaskableRolloutBuffer):
+        if speed is None or not isinstance(rollout_buffer, FastMaskableBase):
             return super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps, use_masking)
         if use_masking and not is_masking_supported(env):
             raise ValueError("Environment does not support action masking. Consider using ActionMasker wrapper")
@@ -167,7 +172,7 @@ class MaskablePPO(FastModel, sb3_contrib.MaskablePPO):
     def _load_rollout(self, speed: _Speedups, sampler: MinibatchSampler) -> None:
         """PPO's, plus the rollout's masks as one more per-sample action tensor (gathered with the actions)."""
         PPO._load_rollout(self, speed, sampler)  # type: ignore[arg-type]
-        assert isinstance(self.rollout_buffer, FastMaskableRolloutBuffer)
+        assert isinstance(self.rollout_buffer, FastMaskableBase)
         sampler.add_actions({"masks": self.rollout_buffer.flat("action_masks").bool()})
 
     def train(self) -> None:

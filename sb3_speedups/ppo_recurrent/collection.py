@@ -21,13 +21,13 @@ from sb3_contrib.common.recurrent.policies import RecurrentActorCriticPolicy
 from sb3_contrib.common.recurrent.type_aliases import RNNStates
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback
-from stable_baselines3.common.torch_layers import FlattenExtractor
 from stable_baselines3.common.vec_env import VecEnv
 from torch import nn
 
 from sb3_speedups.common.nn.heads import ActionHead, make_head
 from sb3_speedups.common.acting.actors import box_env_actions
 from sb3_speedups.common.acting.torch_mlp import TorchMlp
+from sb3_speedups.common.nn.inputs import flat_extractor_unsupported_reason, flat_input_unsupported_reason, float_rows
 from sb3_speedups.common.nn.mlp import parse_mlp
 from sb3_speedups.common.on_policy.timeouts import bootstrap_timeouts
 
@@ -42,11 +42,12 @@ def frozen_actor_unsupported_reason(policy: nn.Module) -> str | None:
     for name in ("forward", "predict_values", "_get_action_dist_from_latent", "extract_features"):
         if getattr(cls, name) is not getattr(RecurrentActorCriticPolicy, name):
             return f"the policy overrides {name}"
-    if not isinstance(policy.observation_space, spaces.Box):
-        return "observations are not a Box"
     extractors = (policy.pi_features_extractor, policy.vf_features_extractor)
-    if any(type(extractor) is not FlattenExtractor for extractor in extractors):
-        return "the features extractor is not a FlattenExtractor"
+    reason = flat_input_unsupported_reason(policy.observation_space) or next(
+        (r for r in map(flat_extractor_unsupported_reason, extractors) if r is not None), None
+    )
+    if reason is not None:
+        return reason
     if policy.lstm_critic is None:
         return "the critic has no recurrent layer of its own (shared_lstm or enable_critic_lstm=False)"
     if policy.use_sde or make_head(policy.action_dist, policy.action_space) is None:
@@ -104,11 +105,11 @@ class FrozenRecurrentActor:
         self.value_net = TorchMlp.from_module(policy.value_net, same)
         self.log_std = getattr(policy, "log_std", None)
         self.env_actions = box_env_actions(policy, policy.action_space)
+        self.float_rows = float_rows(policy.observation_space)
 
-    def features(self, obs: np.ndarray) -> th.Tensor:
-        """:return: the flattened float observations"""
-        x = th.as_tensor(obs, device=self.device).float()
-        return x.reshape(x.shape[0], -1)
+    def features(self, obs: np.ndarray | dict[str, np.ndarray]) -> th.Tensor:
+        """:return: the observations as the recurrent layers' float input rows (SB3's preprocessing, flattened)"""
+        return self.float_rows.rows(obs, self.device)
 
     def act(
         self, obs: np.ndarray, episode_starts: np.ndarray, states: RNNStates

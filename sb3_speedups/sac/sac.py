@@ -25,6 +25,7 @@ from sb3_speedups.common.off_policy.algorithm import FastOffPolicyAlgorithm
 from sb3_speedups.common.off_policy.training import mean_of, minibatches, split_minibatches
 from sb3_speedups.common.torch_utils import num_threads_during, update_num_threads
 from sb3_speedups.errors import UserValueError
+from sb3_speedups.sac.critic_loss import MinCriticLoss, SoftCriticLoss
 from sb3_speedups.sac.update import AutogradSACUpdate, HandDerivedSACUpdate, SACStepLosses, sac_unsupported_reason
 
 
@@ -46,28 +47,36 @@ def check_ent_coef(ent_coef: Any) -> None:
         ) from None
 
 
-class SAC(FastOffPolicyAlgorithm, stable_baselines3.SAC):
+class SACTraining(FastOffPolicyAlgorithm):
     """
-    Soft Actor-Critic, a drop-in for :class:`stable_baselines3.SAC` (same arguments, ``learn``, ``predict``, saved
-    files); see :class:`stable_baselines3.SAC` for every argument not listed here.
+    Mixin, first among the bases of SAC and of the algorithms built on SAC's update (TQC): the entropy coefficient
+    check, the choice of update and ``train()``. An algorithm differs in its critics' loss only
+    (:meth:`_critic_loss`, a :class:`~sb3_speedups.sac.critic_loss.SoftCriticLoss`).
+    """
 
-    See :class:`~sb3_speedups.common.off_policy.algorithm.FastOffPolicyAlgorithm` for ``num_threads`` and
-    ``fast_update``.
-    """
+    log_ent_coef: th.Tensor | None
+    ent_coef_optimizer: th.optim.Adam | None
+    target_entropy: Any
+    target_update_interval: int
 
     def _check_arguments(self, kwargs: dict[str, Any]) -> None:
         check_ent_coef(kwargs.get("ent_coef", "auto"))
         super()._check_arguments(kwargs)
 
+    def _critic_loss(self) -> SoftCriticLoss:
+        """:return: the critics' target, loss and actor value (SAC's: the smallest critic, mean squared error)"""
+        return MinCriticLoss()
+
     def _unsupported_reason(self) -> str | None:
-        return sac_unsupported_reason(self.policy, self.use_sde)
+        return sac_unsupported_reason(self.policy, self.use_sde, self._critic_loss())
 
     def _make_updater(self, reason: str | None) -> HandDerivedSACUpdate | AutogradSACUpdate:
-        assert isinstance(self.target_entropy, float)
-        ent = (self.log_ent_coef, self.ent_coef_optimizer, getattr(self, "ent_coef_tensor", None), self.target_entropy)
+        # (TQC keeps a numpy float32 where SAC keeps a float: the same number)
+        target_entropy = float(self.target_entropy)
+        ent = (self.log_ent_coef, self.ent_coef_optimizer, getattr(self, "ent_coef_tensor", None), target_entropy)
         if reason is None:
-            return HandDerivedSACUpdate(self.policy, *ent)
-        return AutogradSACUpdate(self.policy, *ent, use_sde=self.use_sde)
+            return HandDerivedSACUpdate(self.policy, *ent, loss=self._critic_loss())
+        return AutogradSACUpdate(self.policy, *ent, use_sde=self.use_sde, loss=self._critic_loss())
 
     def train(self, gradient_steps: int, batch_size: int = 64) -> None:
         """Stock's SAC gradient steps (the same updates), hand-derived where the networks allow, else through autograd."""
@@ -99,3 +108,13 @@ class SAC(FastOffPolicyAlgorithm, stable_baselines3.SAC):
         if losses.ent_coef_loss:
             self.logger.record("train/ent_coef_loss", mean_of(losses.ent_coef_loss))
         return None
+
+
+class SAC(SACTraining, stable_baselines3.SAC):
+    """
+    Soft Actor-Critic, a drop-in for :class:`stable_baselines3.SAC` (same arguments, ``learn``, ``predict``, saved
+    files); see :class:`stable_baselines3.SAC` for every argument not listed here.
+
+    See :class:`~sb3_speedups.common.off_policy.algorithm.FastOffPolicyAlgorithm` for ``num_threads`` and
+    ``fast_update``.
+    """

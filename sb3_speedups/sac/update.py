@@ -11,18 +11,19 @@ fewer operations:
 - one fused Adam per network over its flat buffer, the polyak update over the whole flat buffer, no host sync
   (the losses are kept as tensors and read once per ``train()``).
 
+What the critics' target, loss and actor value are is a :class:`~sb3_speedups.sac.critic_loss.SoftCriticLoss`: SAC's
+(:class:`~sb3_speedups.sac.critic_loss.MinCriticLoss`) by default, TQC's truncated quantiles for TQC.
+
 The maths and the tests that check it: docs/maths.md, "SAC actor" and "Off-policy critics".
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch as th
-import torch.nn.functional as F
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
-from stable_baselines3.sac.policies import Actor, SACPolicy
 
 from sb3_speedups.common.nn.flat import FlatParameters
 from sb3_speedups.common.nn.mlp import Mlp, parse_mlp
@@ -37,15 +38,21 @@ from sb3_speedups.common.off_policy.critics import (
     without_weight_gradients,
 )
 from sb3_speedups.common.off_policy.batches import OffPolicyBatches
+from sb3_speedups.sac.critic_loss import MinCriticLoss, SoftCriticLoss
 from sb3_speedups.sac.squashed_gaussian import sample_squashed, squashed_backward
 
 
-def sac_unsupported_reason(policy: SACPolicy, use_sde: bool) -> str | None:
-    """:return: why :class:`HandDerivedSACUpdate` cannot run ``policy``, or ``None`` when it can"""
+def sac_unsupported_reason(policy: Any, use_sde: bool, loss: SoftCriticLoss | None = None) -> str | None:
+    """
+    :param policy: a SAC policy (SB3's ``SACPolicy``) or one built as it (sb3-contrib's ``TQCPolicy``)
+    :param loss: the algorithm's critic loss, which names its stock networks (default: SAC's)
+    :return: why :class:`HandDerivedSACUpdate` cannot run ``policy``, or ``None`` when it can
+    """
     if use_sde:
         return "gSDE"
+    loss = loss or MinCriticLoss()
     actor = policy.actor
-    reason = stock_actor_reason(actor, Actor)
+    reason = stock_actor_reason(actor, loss.actor_class)
     if reason is not None:
         return reason
     hidden = parse_mlp(actor.latent_pi)
@@ -56,7 +63,7 @@ def sac_unsupported_reason(policy: SACPolicy, use_sde: bool) -> str | None:
         return f"actor: {reason}"
     if type(actor.mu) is not th.nn.Linear or type(actor.log_std) is not th.nn.Linear:
         return "actor heads are not Linear layers"
-    return actor_and_critic_training_reason(actor, policy.critic)
+    return actor_and_critic_training_reason(actor, policy.critic, loss.critic_class)
 
 
 @dataclass
@@ -74,22 +81,25 @@ class HandDerivedSACUpdate:
     SAC's gradient step (check :func:`sac_unsupported_reason` first). Building it moves the actor's, the critics' and
     the target critics' parameters (and ``log_ent_coef``) into flat buffers.
 
-    :param policy: the SAC policy
+    :param policy: the SAC policy (or one built as it: TQC's)
     :param log_ent_coef: the learned log entropy coefficient, or ``None`` when it is fixed
     :param ent_coef_optimizer: its Adam (with ``log_ent_coef``)
     :param ent_coef: the fixed entropy coefficient (a 0-dim tensor), when not learned
     :param target_entropy: the entropy target of the learned coefficient
+    :param loss: the critics' target, loss and actor value (default: SAC's)
     """
 
     def __init__(
         self,
-        policy: SACPolicy,
+        policy: Any,
         log_ent_coef: th.Tensor | None,
         ent_coef_optimizer: th.optim.Optimizer | None,
         ent_coef: th.Tensor | None,
         target_entropy: float,
+        loss: SoftCriticLoss | None = None,
     ) -> None:
-        reason = sac_unsupported_reason(policy, use_sde=False)
+        self.loss = loss or MinCriticLoss()
+        reason = sac_unsupported_reason(policy, use_sde=False, loss=self.loss)
         if reason is not None:
             raise ValueError(reason)
         self.policy = policy
@@ -98,7 +108,7 @@ class HandDerivedSACUpdate:
         assert isinstance(hidden, Mlp)
         mu, log_std = cast(th.nn.Linear, actor.mu), cast(th.nn.Linear, actor.log_std)  # checked above
         self.actor = ActorNet(actor, hidden, [mu.weight, log_std.weight], [mu.bias, log_std.bias], actor.optimizer)
-        self.critics = StackedCritics(policy.critic, policy.critic_target, policy.critic.optimizer)
+        self.critics = StackedCritics(policy.critic, policy.critic_target, policy.critic.optimizer, self.loss.critic_class)
         self.action_dim = mu.out_features
         self.ent_flat: FlatParameters | None = None
         self.ent_adam: FlatAdam | None = None
@@ -158,14 +168,13 @@ class HandDerivedSACUpdate:
         ent_coef = self._ent_coef(log_prob[:b], losses)
         next_in = batches.next_critic_inputs[k]
         next_in[:, obs_dim:] = sample.actions[b:]
-        next_q = self.critics.target_min(next_in) - ent_coef * log_prob[b:]
+        next_q = self.loss.target_values(self.critics, next_in) - ent_coef * log_prob[b:]
         target = batches.rewards[k] + batches.discounts[k] * next_q
-        losses.critic.append(self.critics.step(batches.critic_inputs[k], target, 0.5))
+        losses.critic.append(self.loss.critic_step(self.critics, batches.critic_inputs[k], target))
         pi_in = batches.actor_critic_inputs[k]
         pi_in[:, obs_dim:] = sample.actions[:b]
-        min_q, argmin = th.min(self.critics.q_values(pi_in), dim=0)
-        losses.actor.append((ent_coef * log_prob[:b] - min_q).mean())
-        d_q = th.zeros(self.critics.groups, b, 1, device=min_q.device).scatter_(0, argmin.unsqueeze(0), -1.0 / b)
+        value, d_q = self.loss.actor_values(self.critics, pi_in)
+        losses.actor.append((ent_coef * log_prob[:b] - value).mean())
         d_actions = self.critics.action_grad(d_q)
         self.actor.step(squashed_backward(sample, b, d_actions, ent_coef / b))
         if update_target:
@@ -187,17 +196,20 @@ class AutogradSACUpdate:
     :param ent_coef: as :class:`HandDerivedSACUpdate`
     :param target_entropy: as :class:`HandDerivedSACUpdate`
     :param use_sde: resample gSDE's exploration matrix before each step, as stock does
+    :param loss: as :class:`HandDerivedSACUpdate`
     """
 
     def __init__(
         self,
-        policy: SACPolicy,
+        policy: Any,
         log_ent_coef: th.Tensor | None,
         ent_coef_optimizer: th.optim.Optimizer | None,
         ent_coef: th.Tensor | None,
         target_entropy: float,
         use_sde: bool,
+        loss: SoftCriticLoss | None = None,
     ) -> None:
+        self.loss = loss or MinCriticLoss()
         self.policy = policy
         self.critic_only = parameters_only_in(policy.critic, policy.actor)
         shares = len(self.critic_only) < len(list(policy.critic.parameters()))
@@ -246,18 +258,16 @@ class AutogradSACUpdate:
         ent_coef = self._ent_coef(log_prob, losses)
         with th.no_grad():
             next_actions, next_log_prob = actor.action_log_prob(data.next_observations)
-            next_q = th.cat(self.policy.critic_target(data.next_observations, next_actions), dim=1)
-            next_q = th.min(next_q, dim=1, keepdim=True).values - ent_coef * next_log_prob.reshape(-1, 1)
+            next_q = self.loss.autograd_target_values(self.policy.critic_target(data.next_observations, next_actions))
+            next_q = next_q - ent_coef * next_log_prob.reshape(-1, 1)
             target = data.rewards + (1 - data.dones) * discounts * next_q
-        current_q = critic(data.observations, data.actions)
-        critic_loss = 0.5 * sum(F.mse_loss(q, target) for q in current_q)
-        assert isinstance(critic_loss, th.Tensor)
+        critic_loss = self.loss.autograd_loss(critic(data.observations, data.actions), target)
         losses.critic.append(critic_loss.detach())
         self.critic_step.backward(critic_loss)
         self.critic_step.step()
         with without_weight_gradients(self.critic_only):
-            min_q = th.min(th.cat(critic(data.observations, actions_pi), dim=1), dim=1, keepdim=True).values
-            actor_loss = (ent_coef * log_prob - min_q).mean()
+            value = self.loss.autograd_actor_values(critic(data.observations, actions_pi))
+            actor_loss = (ent_coef * log_prob - value).mean()
             losses.actor.append(actor_loss.detach())
             self.actor_step.backward(actor_loss)
         self.actor_step.step()

@@ -139,6 +139,18 @@ def dqn_space(algo_cls: type, hyperparams: dict[str, Any]) -> SearchSpace:
     return SearchSpace(params, constraints=[_limit_gradient_steps, _combined_replay_one_step])
 
 
+def qrdqn_space(algo_cls: type, hyperparams: dict[str, Any]) -> SearchSpace:
+    """
+    :param algo_cls: the QR-DQN class that will be trained
+    :param hyperparams: the YAML section (for the policy)
+    :return: the DQN space (without prioritised replay: QR-DQN's loss has no TD error per sample) and the quantile count
+    """
+    space = dqn_space(algo_cls, hyperparams)
+    params = {name: param for name, param in space.params.items() if name != "replay_buffer_class"}
+    params.update(_params(Param("policy_kwargs.n_quantiles", choices=(10, 25, 50, 100, 200))))
+    return SearchSpace(params, constraints=space.constraints)
+
+
 def _continuous_control_params() -> dict[str, Param]:
     """What the SAC and TD3 spaces share (the RL Zoo's off-policy samplers: discount, batch, learning rate, polyak
     coefficient, update frequency, network size)."""
@@ -181,6 +193,31 @@ def td3_space(algo_cls: type, hyperparams: dict[str, Any]) -> SearchSpace:
         )
     )
     return SearchSpace(params, constraints=[_one_update_per_step])
+
+
+def tqc_space(algo_cls: type, hyperparams: dict[str, Any]) -> SearchSpace:
+    """
+    :param algo_cls: the TQC class that will be trained
+    :param hyperparams: the YAML section (for the policy)
+    :return: the SAC space plus the RL Zoo's TQC options: quantiles per critic and the top ones dropped per critic
+    """
+    space = sac_space(algo_cls, hyperparams)
+    params = dict(space.params)
+    params.update(
+        _params(
+            Param("policy_kwargs.n_quantiles", low=5, high=50, integer=True),
+            Param("top_quantiles_to_drop_per_net", low=0, high=5, integer=True),
+        )
+    )
+    return SearchSpace(params, constraints=[*space.constraints, _keep_a_quantile])
+
+
+def _keep_a_quantile(hp: dict[str, Any]) -> None:
+    """As the RL Zoo's sampler: TQC drops fewer quantiles per critic than each has."""
+    kwargs, dropped = hp.get("policy_kwargs"), hp.get("top_quantiles_to_drop_per_net")
+    n_quantiles = kwargs.get("n_quantiles") if isinstance(kwargs, dict) else None
+    if isinstance(n_quantiles, int) and isinstance(dropped, int):
+        hp["top_quantiles_to_drop_per_net"] = min(dropped, n_quantiles - 1)
 
 
 def _combined_replay_one_step(hp: dict[str, Any]) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import io
 import importlib
 import importlib.util
 from pathlib import Path
@@ -50,7 +52,9 @@ def import_env_packages(env_id: str) -> None:
         return
     for module in ENV_PACKAGES:
         if importlib.util.find_spec(module) is not None:
-            gym.register_envs(importlib.import_module(module))
+            # imported unasked: a notice printed at import (gymnasium-robotics 1.4.2 prints one) would break one-line errors
+            with contextlib.redirect_stderr(io.StringIO()):
+                gym.register_envs(importlib.import_module(module))
 
 
 def _install_hint(env_id: str) -> str | None:

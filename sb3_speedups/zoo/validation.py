@@ -52,6 +52,18 @@ def _number(low: float | None = None, high: float | None = None, integer: bool =
     return check
 
 
+def _ent_coef(value: Any) -> str | None:
+    """SAC's and TQC's ``"auto"`` / ``"auto_<initial value>"`` (learned), else a number >= 0."""
+    if isinstance(value, str) and value.startswith("auto"):
+        initial = value[len("auto_") :] if value.startswith("auto_") else "1.0"
+        try:
+            ok = value in ("auto", f"auto_{initial}") and float(initial) > 0
+        except ValueError:
+            ok = False
+        return None if ok else "a number >= 0, 'auto' or 'auto_<initial value > 0>'"
+    return _number(0)(value)
+
+
 def _gradient_steps(value: Any) -> str | None:
     ok = isinstance(value, int) and not isinstance(value, bool) and (value == -1 or value >= 1)
     return None if ok else "an integer >= 1, or -1 (as many as env steps)"
@@ -73,7 +85,7 @@ CHECKS: dict[str, Callable[[Any], str | None]] = {
     "batch_size": _number(1, integer=True),
     "n_epochs": _number(1, integer=True),
     "clip_range": _number(0, low_open=True),
-    "ent_coef": _number(0),
+    "ent_coef": _ent_coef,
     "vf_coef": _number(0),
     "max_grad_norm": _number(0, low_open=True),
     "buffer_size": _number(1, integer=True),
@@ -106,5 +118,7 @@ def validate_model_kwargs(cls: type, kwargs: dict[str, Any], algo: str) -> None:
             raise UserError(f"unknown hyperparameter {key!r} for {algo} ({cls.__name__}); {hint}")
         check = CHECKS.get(key)
         problem = check(value) if check is not None else None
+        if key == "ent_coef" and isinstance(value, str) and problem is None and "target_entropy" not in accepted:
+            problem = f"a number >= 0 ({cls.__name__} learns no entropy coefficient)"
         if problem is not None:
             raise UserError(f"invalid hyperparameter {key}={value!r} for {algo}: expected {problem}")

@@ -192,17 +192,29 @@ class FrozenActorCritic:
         """Refresh the copy from the policy (once per rollout)."""
         self.mirror.sync()
 
-    def _features(self, obs: np.ndarray) -> th.Tensor:
+    def _features(self, obs: np.ndarray | dict[str, np.ndarray]) -> th.Tensor:
+        if isinstance(obs, dict):
+            return self.latents[0].mlp.inputs({key: th.as_tensor(value, device=self.device) for key, value in obs.items()})
         return self.latents[0].mlp.inputs(th.as_tensor(obs, device=self.device))
 
-    def act(self, obs: np.ndarray, masks: np.ndarray | None = None) -> tuple[np.ndarray, th.Tensor, th.Tensor]:
+    def _acts_in_numpy(self, obs: np.ndarray | dict[str, np.ndarray]) -> bool:
+        """:return: whether the numpy executor takes this batch (numpy observations, few enough rows)"""
+        if self._numpy is None:
+            return False
+        rows = next(iter(obs.values())) if isinstance(obs, dict) else obs
+        return isinstance(rows, np.ndarray) and self._numpy.accepts(rows.shape[0])
+
+    def act(
+        self, obs: np.ndarray | dict[str, np.ndarray], masks: np.ndarray | None = None
+    ) -> tuple[np.ndarray, th.Tensor, th.Tensor]:
         """
         :param masks: allowed choices of categorical actions (sb3-contrib's action masks), or ``None``
         :return: sampled actions (shaped as stock's policy shapes them), values ``[n, 1]`` and log-probabilities
             ``[n]`` for a batch of observations (the copy's tensors never require gradients, so no autograd state is
             recorded without any grad-mode context)
         """
-        if self._numpy is not None and isinstance(obs, np.ndarray) and self._numpy.accepts(obs.shape[0]):
+        if self._acts_in_numpy(obs):
+            assert self._numpy is not None
             out, np_values = self._numpy.forward(obs)
             if masks is not None:
                 out = mask_logits_numpy(out, masks)
@@ -218,9 +230,10 @@ class FrozenActorCritic:
             np_actions = np_actions.reshape(self.action_shape)
         return np_actions, values, log_prob
 
-    def predict_values(self, obs: np.ndarray) -> th.Tensor:
+    def predict_values(self, obs: np.ndarray | dict[str, np.ndarray]) -> th.Tensor:
         """:return: values ``[n]`` of a batch of observations"""
-        if self._numpy is not None and isinstance(obs, np.ndarray) and self._numpy.accepts(obs.shape[0]):
+        if self._acts_in_numpy(obs):
+            assert self._numpy is not None
             return th.from_numpy(self._numpy.forward(obs)[1]).view(-1)
         return self.value_net(self._latents(self._features(obs))[1]).view(-1)
 

@@ -59,7 +59,7 @@ class NumpyMlp:
                 return f"activation {layer.activation.name} has no numpy kernel"
         return None
 
-    def inputs(self, obs: np.ndarray) -> np.ndarray:
+    def inputs(self, obs: np.ndarray | dict[str, np.ndarray]) -> np.ndarray:
         """:return: the input of observations: float32 rows ``[n, in]``, or a one-hot input's hot columns ``[n, k]``"""
         return self.mlp.inputs_numpy(obs)
 
@@ -113,7 +113,7 @@ class NumpyActorCritic:
         """
         return n * self.max_layer_size <= _SINGLE_THREAD_MNK
 
-    def forward(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def forward(self, obs: np.ndarray | dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """:return: the action net's output ``[n, n_out]`` and the values ``[n, 1]`` (float32, fresh arrays)"""
         x = self.chains[0].inputs(obs)
         if len(self.chains) == 1:

@@ -24,6 +24,7 @@ from torch import nn
 
 from sb3_speedups.common.acting.actors import ParameterMirror, box_env_actions
 from sb3_speedups.common.acting.torch_mlp import TorchMlp
+from sb3_speedups.common.nn.inputs import float_rows
 
 # SB3's bounds on SAC's log standard deviation
 _LOG_STD_MIN, _LOG_STD_MAX = -20.0, 2.0
@@ -31,7 +32,7 @@ _LOG_STD_MIN, _LOG_STD_MAX = -20.0, 2.0
 
 class FrozenOffPolicyActor:
     """
-    A copy of a stock SAC or TD3 ``Actor`` with an MLP on flat ``Box`` observations (no gSDE), on the CPU.
+    A copy of a stock SAC or TD3 ``Actor`` with an MLP on the observations' float rows (no gSDE), on the CPU.
 
     :param actor: the actor (its ``latent_pi``, ``mu`` and ``log_std`` for SAC; its ``mu`` for TD3)
     """
@@ -44,14 +45,26 @@ class FrozenOffPolicyActor:
         def mirrored(t: th.Tensor) -> th.Tensor:
             return lookup[id(t)]
 
-        self.squashed_gaussian = isinstance(actor, SACActor)
-        # SAC: latent, then the mean and the log std as two products (as stock's two Linear calls)
-        modules = [actor.latent_pi, actor.mu, cast(nn.Module, actor.log_std)] if isinstance(actor, SACActor) else [actor.mu]
+        # SAC's actor, or one built as it (sb3-contrib's TQC Actor): latent, then the mean and the log std as two
+        # products (as stock's two Linear calls)
+        self.squashed_gaussian = isinstance(actor, SACActor) or hasattr(actor, "latent_pi")
+        sac = cast(SACActor, actor)
+        modules = [sac.latent_pi, sac.mu, cast(nn.Module, sac.log_std)] if self.squashed_gaussian else [actor.mu]
         self.nets = [TorchMlp.from_module(module, mirrored) for module in modules]
+
+        #: the observations' float rows, ``None`` for a flat ``Box`` (its rows: the observations, flattened)
+        self.float_rows = None if isinstance(actor.observation_space, spaces.Box) else float_rows(actor.observation_space)
 
     def sync(self) -> None:
         """Refresh the copy from the actor."""
         self.mirror.sync()
+
+    def inputs(self, obs: np.ndarray | dict[str, np.ndarray]) -> th.Tensor:
+        """:return: the actor's input rows ``[n, obs_dim]`` (float32) of a batch of observations"""
+        if self.float_rows is not None:
+            return self.float_rows.rows(obs)
+        x = th.as_tensor(np.asarray(obs))
+        return x.reshape(x.shape[0], -1).float()
 
     def __call__(self, obs: th.Tensor) -> th.Tensor:
         """:return: sampled (SAC) or deterministic (TD3) actions in ``[-1, 1]`` of flat observations ``[n, obs_dim]``"""
@@ -97,9 +110,8 @@ class FrozenActorSampling(OffPolicyAlgorithm):
         warmup = self.num_timesteps < learning_starts and not (self.use_sde and self.use_sde_at_warmup)
         if actor is None or warmup or self._last_obs is None or not isinstance(self.action_space, spaces.Box):
             return super()._sample_action(learning_starts, action_noise, n_envs)
-        obs = np.asarray(self._last_obs)
         with th.inference_mode():
-            actions = actor(th.as_tensor(obs).reshape(obs.shape[0], -1).float()).numpy()
+            actions = actor(actor.inputs(self._last_obs)).numpy()
         # what stock's policy.predict returns, then stock's _sample_action from there
         unscaled = box_env_actions(self.policy, self.action_space)(actions.reshape(-1, *self.action_space.shape))
         scaled = self.policy.scale_action(unscaled)

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 from typing import TypeGuard
 
 import torch as th
-from stable_baselines3.common.policies import ActorCriticPolicy
-from stable_baselines3.common.torch_layers import FlattenExtractor
+from stable_baselines3.common.policies import ActorCriticPolicy, MultiInputActorCriticPolicy
 from torch import nn
 
-from sb3_speedups.common.nn.inputs import flat_input_unsupported_reason
+from sb3_speedups.common.nn.inputs import flat_extractor_unsupported_reason, flat_input_unsupported_reason
 from sb3_speedups.common.nn.mlp import NONE, Layer, Mlp, biases, parse_mlp
 
 
@@ -64,12 +63,16 @@ def parse_actor_critic(policy: ActorCriticPolicy) -> ActorCritic | str:
 
 def _is_plain_policy(policy: nn.Module) -> TypeGuard[ActorCriticPolicy]:
     """
-    :return: whether ``policy`` is SB3's ``ActorCriticPolicy`` itself, or sb3-contrib's ``MaskableActorCriticPolicy``
-        (the same networks and attributes, its own base class)
+    :return: whether ``policy`` is SB3's ``ActorCriticPolicy`` itself or its ``MultiInputActorCriticPolicy`` (the
+        same networks, another default features extractor), or sb3-contrib's maskable twins of these (the same
+        networks and attributes, their own base class)
     """
+    plain: tuple[type, ...] = (ActorCriticPolicy, MultiInputActorCriticPolicy)
     # looked up, not imported: a maskable policy exists only once sb3-contrib is loaded
     maskable = sys.modules.get("sb3_contrib.common.maskable.policies")
-    return type(policy) is ActorCriticPolicy or (maskable is not None and type(policy) is maskable.MaskableActorCriticPolicy)
+    if maskable is not None:
+        plain += (maskable.MaskableActorCriticPolicy, maskable.MaskableMultiInputActorCriticPolicy)
+    return type(policy) in plain
 
 
 def mlp_unsupported_reason(policy: nn.Module) -> str | None:
@@ -82,10 +85,11 @@ def mlp_unsupported_reason(policy: nn.Module) -> str | None:
     reason = flat_input_unsupported_reason(policy.observation_space)
     if reason is not None:
         return reason
-    if not isinstance(policy.features_extractor, FlattenExtractor) or not isinstance(
-        policy.vf_features_extractor, FlattenExtractor
-    ):
-        return "features extractor is not FlattenExtractor"
+    reason = flat_extractor_unsupported_reason(policy.features_extractor) or flat_extractor_unsupported_reason(
+        policy.vf_features_extractor
+    )
+    if reason is not None:
+        return reason
     extractor = (policy.mlp_extractor.policy_net, policy.mlp_extractor.value_net)
     pi, vf = (parse_mlp(net) for net in extractor)
     if (

@@ -13,7 +13,8 @@ shaped networks side by side (``[G, out, in]`` weights), which run as one batche
 Each executor runs the same operations as the module's own forward; which activations an executor can run is in the
 table (a kind without a numpy or a backward kernel is reported, and the caller falls back). A description may take
 one-hot observations (:attr:`Mlp.one_hot`, ``Discrete`` and ``MultiDiscrete`` ones): every executor then runs its first
-layer as a gather of the hot columns' weights (:class:`~sb3_speedups.common.nn.inputs.OneHotInput`).
+layer as a gather of the hot columns' weights (:class:`~sb3_speedups.common.nn.inputs.OneHotInput`). A description
+may take ``Dict`` observations (:attr:`Mlp.dict_input`): :meth:`Mlp.inputs` makes them the float rows the executors take.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from gymnasium import spaces
 from torch import nn
 
-from sb3_speedups.common.nn.inputs import OneHotInput, one_hot_input
+from sb3_speedups.common.nn.inputs import FloatRows, OneHotInput, float_rows, one_hot_input
 
 # The ops' C++ callables: calling them skips the Python frame of ``OpOverload.__call__``.
 _TANH_BACKWARD = getattr(th.ops.aten.tanh_backward.grad_input, "_op", th.ops.aten.tanh_backward.grad_input)
@@ -102,19 +103,34 @@ class Mlp:
     #: the first layer's input as the hot columns of one-hot blocks (``Discrete`` or ``MultiDiscrete``
     #: observations), or ``None``: float rows
     one_hot: OneHotInput | None = None
+    #: the entries of ``Dict`` observations, which :meth:`inputs` concatenates into float rows, or ``None``
+    dict_input: FloatRows | None = None
 
     def observing(self, space: spaces.Space) -> Mlp:
         """:return: the same network taking ``space``'s observations as SB3 preprocesses them"""
-        return replace(self, one_hot=one_hot_input(space))
+        rows = float_rows(space) if isinstance(space, spaces.Dict) else None
+        return replace(self, one_hot=one_hot_input(space), dict_input=rows)
 
-    def inputs(self, obs: th.Tensor) -> th.Tensor:
-        """:return: the executors' input for observations: float rows ``[n, in]``, or the hot columns ``[n, k]``"""
+    def inputs(self, obs: th.Tensor | dict[str, th.Tensor]) -> th.Tensor:
+        """
+        :return: the executors' input for observations (a tensor, or a dict of tensors or arrays): float rows
+            ``[n, in]``, or the hot columns ``[n, k]``
+        """
+        if self.dict_input is not None:
+            assert isinstance(obs, dict)
+            first = obs[self.dict_input.entries[0].key]
+            return self.dict_input.rows(obs, first.device if isinstance(first, th.Tensor) else "cpu")
+        assert not isinstance(obs, dict)
         if self.one_hot is not None:
             return self.one_hot.columns(obs)
         return obs if obs.dim() == 2 and obs.dtype == th.float32 else obs.reshape(obs.shape[0], -1).float()
 
-    def inputs_numpy(self, obs: np.ndarray) -> np.ndarray:
+    def inputs_numpy(self, obs: np.ndarray | dict[str, np.ndarray]) -> np.ndarray:
         """:return: :meth:`inputs` of numpy observations"""
+        if self.dict_input is not None:
+            assert isinstance(obs, dict)
+            return self.dict_input.rows_numpy(obs)
+        assert not isinstance(obs, dict)
         if self.one_hot is not None:
             return self.one_hot.columns_numpy(obs)
         x = np.asarray(obs, dtype=np.float32)
@@ -137,14 +153,16 @@ class Mlp:
 
     def map(self, fn: Callable[[th.Tensor], th.Tensor]) -> Mlp:
         """:return: the same network on ``fn(tensor)`` of each tensor (e.g. its copy in a mirror)"""
-        return Mlp(
-            tuple(replace(lay, weight=fn(lay.weight), bias=None if lay.bias is None else fn(lay.bias)) for lay in self.layers),
-            self.one_hot,
+        return replace(
+            self,
+            layers=tuple(
+                replace(lay, weight=fn(lay.weight), bias=None if lay.bias is None else fn(lay.bias)) for lay in self.layers
+            ),
         )
 
     def head(self) -> tuple[Mlp, Layer | None]:
         """:return: the layers but the last (taking this network's input), and the last (``None`` when there are none)"""
-        return Mlp(self.layers[:-1], self.one_hot), self.layers[-1] if self.layers else None
+        return replace(self, layers=self.layers[:-1]), self.layers[-1] if self.layers else None
 
     def same_shapes(self, other: Mlp) -> bool:
         """:return: whether both have layers of the same shapes, all with biases (so they can be stacked)"""
@@ -179,9 +197,11 @@ def stack(mlps: Sequence[Mlp], stacked: Callable[[list[th.Tensor]], th.Tensor]) 
     :return: the networks as one stacked :class:`Mlp`
     """
     layers = zip(*(m.layers for m in mlps), strict=True)
-    return Mlp(
-        tuple(Layer(stacked([lay.weight for lay in group]), stacked(biases(group)), group[0].activation) for group in layers),
-        mlps[0].one_hot,
+    return replace(
+        mlps[0],
+        layers=tuple(
+            Layer(stacked([lay.weight for lay in group]), stacked(biases(group)), group[0].activation) for group in layers
+        ),
     )
 
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch as th
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
+from sb3_speedups.common.nn.inputs import FloatRows
+
 
 @dataclass
 class OffPolicyBatches:
@@ -33,16 +35,23 @@ class OffPolicyBatches:
     actions: th.Tensor
 
 
-def lay_out(data: ReplayBufferSamples, steps: int, batch_size: int, gamma: float) -> OffPolicyBatches:
+def lay_out(
+    data: ReplayBufferSamples, steps: int, batch_size: int, gamma: float, rows: FloatRows | None = None
+) -> OffPolicyBatches:
     """
     :param data: ``steps`` minibatches, concatenated (:func:`~sb3_speedups.common.replay.sampling.sample_minibatches`)
     :param steps: the number of minibatches
     :param batch_size: rows per minibatch
     :param gamma: the discount when the buffer gives none (n-step buffers give one per row)
+    :param rows: the observations' float rows (``Dict``, ``Discrete``...), ``None`` for a flat ``Box``'s
     """
     shape = (steps, batch_size, -1)
-    obs = data.observations.reshape(steps, batch_size, -1).float()
-    next_obs = data.next_observations.reshape(steps, batch_size, -1).float()
+    if rows is None:
+        obs = data.observations.reshape(shape).float()
+        next_obs = data.next_observations.reshape(shape).float()
+    else:
+        obs = rows.rows(data.observations, data.actions.device).reshape(shape)
+        next_obs = rows.rows(data.next_observations, data.actions.device).reshape(shape)
     actions = data.actions.reshape(shape).float()
     critic_inputs = th.cat([obs, actions], dim=2)
     discounts = data.discounts if data.discounts is not None else gamma

@@ -1,6 +1,7 @@
 """
-The critics of SAC, TD3 and DDPG (SB3's ``ContinuousCritic``: ``n_critics`` MLPs on ``[obs, action]``) with
-hand-derived gradients, and the flat-buffer pieces their updates share.
+The critics of SAC, TD3, DDPG and TQC (SB3's ``ContinuousCritic``, sb3-contrib's TQC ``Critic``: ``n_critics`` MLPs
+on ``[obs, action]``, of one output or of ``n_quantiles``) with hand-derived gradients, and the flat-buffer pieces their
+updates share.
 
 The ``n_critics`` equally shaped networks lie side by side in one flat buffer and run as one batched product per
 layer (:class:`~sb3_speedups.common.nn.training.MlpChain` with ``G = n_critics``); their target copy lies in a second
@@ -13,45 +14,55 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import cast
 
 import torch as th
 from gymnasium import spaces
-from stable_baselines3.common.policies import BasePolicy, ContinuousCritic
-from stable_baselines3.common.preprocessing import is_image_space
-from stable_baselines3.common.torch_layers import FlattenExtractor
+from stable_baselines3.common.policies import BaseModel, BasePolicy, ContinuousCritic
+from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
 from stable_baselines3.common.utils import get_parameters_by_name
 from torch import nn
 
 from sb3_speedups.common.nn.flat import FlatParameters
+from sb3_speedups.common.nn.inputs import flat_extractor_unsupported_reason, flat_input_unsupported_reason
 from sb3_speedups.common.nn.mlp import Mlp, parse_output_mlp
 from sb3_speedups.common.nn.optim import FlatAdam, adam_unsupported_reason
 from sb3_speedups.common.nn.training import MlpChain
 
 
-def flat_box_reason(space: spaces.Space, features_extractor: nn.Module) -> str | None:
-    """:return: why a network on ``space`` is not a plain MLP on flat ``Box`` observations, or ``None``"""
-    if not isinstance(space, spaces.Box) or is_image_space(space):
-        return f"observation space {type(space).__name__} is not a flat Box"
-    if type(features_extractor) is not FlattenExtractor:
-        return f"features extractor {type(features_extractor).__name__} is not FlattenExtractor"
-    return None
+def flat_input_reason(space: spaces.Space, features_extractor: nn.Module) -> str | None:
+    """
+    :return: why a network on ``space`` is not a plain MLP on the observations' float rows (flat ``Box``,
+        ``Discrete``, ``MultiDiscrete``, ``MultiBinary``, or a ``Dict`` of those), or ``None``
+    """
+    return flat_input_unsupported_reason(space) or flat_extractor_unsupported_reason(features_extractor)  # type: ignore[arg-type]
 
 
 def stock_actor_reason(actor: nn.Module, actor_class: type[nn.Module]) -> str | None:
-    """:return: why ``actor`` is not the stock ``actor_class`` on flat ``Box`` observations, or ``None``"""
+    """:return: why ``actor`` is not the stock ``actor_class`` on the observations' float rows, or ``None``"""
     if type(actor) is not actor_class:
         return f"actor class {type(actor).__name__} is not the stock Actor"
-    return flat_box_reason(actor.observation_space, actor.features_extractor)  # type: ignore[arg-type]
+    return flat_input_reason(actor.observation_space, actor.features_extractor)  # type: ignore[arg-type]
 
 
-def critic_unsupported_reason(critic: ContinuousCritic, optimizer: th.optim.Optimizer) -> str | None:
-    """:return: why :class:`StackedCritics` cannot run ``critic`` (trained by ``optimizer``), or ``None``"""
-    if type(critic) is not ContinuousCritic:
-        return f"critic class {type(critic).__name__} is not the stock ContinuousCritic"
-    reason = flat_box_reason(critic.observation_space, critic.features_extractor)
+def q_networks(critic: BaseModel) -> list[nn.Module]:
+    """:return: a critic's ``n_critics`` networks (``q_networks`` of SB3's ``ContinuousCritic`` and TQC's ``Critic``)"""
+    return list(cast(list[nn.Module], critic.q_networks))
+
+
+def critic_unsupported_reason(
+    critic: BaseModel, optimizer: th.optim.Optimizer, critic_class: type[BaseModel] = ContinuousCritic
+) -> str | None:
+    """
+    :param critic_class: the stock critic class of the algorithm (its ``q_networks`` take ``[features, actions]``)
+    :return: why :class:`StackedCritics` cannot run ``critic`` (trained by ``optimizer``), or ``None``
+    """
+    if type(critic) is not critic_class:
+        return f"critic class {type(critic).__name__} is not the stock {critic_class.__name__}"
+    reason = flat_input_reason(critic.observation_space, cast(nn.Module, critic.features_extractor))
     if reason is not None:
         return reason
-    mlps = [parse_output_mlp(q) for q in critic.q_networks]
+    mlps = [parse_output_mlp(q) for q in q_networks(critic)]
     for mlp in mlps:
         if isinstance(mlp, str):
             return f"critic: {mlp}"
@@ -62,16 +73,19 @@ def critic_unsupported_reason(critic: ContinuousCritic, optimizer: th.optim.Opti
     return adam_unsupported_reason(optimizer, list(critic.parameters()))
 
 
-def actor_and_critic_training_reason(actor: BasePolicy, critic: ContinuousCritic) -> str | None:
+def actor_and_critic_training_reason(
+    actor: BasePolicy, critic: BaseModel, critic_class: type[BaseModel] = ContinuousCritic
+) -> str | None:
     """
     :param actor: an actor whose network the hand-derived update already accepts (each algorithm checks its own)
     :param critic: the critic
+    :param critic_class: the algorithm's stock critic class
     :return: why the two cannot train on flat float32 parameters with the fused Adam, or ``None``
     """
     if any(p.dtype != th.float32 for p in actor.parameters()):
         return "actor parameters are not float32"
     reason = adam_unsupported_reason(actor.optimizer, list(actor.parameters()))
-    return reason or critic_unsupported_reason(critic, critic.optimizer)
+    return reason or critic_unsupported_reason(critic, critic.optimizer, critic_class)
 
 
 def stacked_layout(mlps: Sequence[Mlp]) -> list[th.Tensor]:
@@ -148,7 +162,7 @@ def without_weight_gradients(params: Sequence[nn.Parameter]) -> Iterator[None]:
 
 @dataclass
 class _Head:
-    """The output layers ``[G, 1, width]`` of the stacked critics: views, their transposes and their gradients."""
+    """The output layers ``[G, out, width]`` of the stacked critics: views, their transposes and their gradients."""
 
     weight: th.Tensor
     weight_t: th.Tensor
@@ -168,26 +182,35 @@ def _head(flat: FlatParameters, mlps: Sequence[Mlp], count: int) -> _Head:
 
 class StackedCritics:
     """
-    Hand-derived forward and backward of a ``ContinuousCritic`` and the forward of its target copy (check
-    :func:`critic_unsupported_reason` first). Building it moves both networks' parameters into flat buffers.
+    Hand-derived forward and backward of a ``ContinuousCritic`` (or TQC's ``Critic``) and the forward of its target
+    copy (check :func:`critic_unsupported_reason` first). Building it moves both networks' parameters into flat buffers.
 
     :param critic: the critics
     :param critic_target: their target copy (same architecture)
     :param optimizer: the critics' Adam (runs fused over the flat buffer)
+    :param critic_class: the algorithm's stock critic class
     """
 
-    def __init__(self, critic: ContinuousCritic, critic_target: ContinuousCritic, optimizer: th.optim.Optimizer) -> None:
-        reason = critic_unsupported_reason(critic, optimizer)
+    def __init__(
+        self,
+        critic: BaseModel,
+        critic_target: BaseModel,
+        optimizer: th.optim.Optimizer,
+        critic_class: type[BaseModel] = ContinuousCritic,
+    ) -> None:
+        reason = critic_unsupported_reason(critic, optimizer, critic_class)
         if reason is not None:
             raise ValueError(reason)
         self.critic, self.critic_target = critic, critic_target
-        self.obs_dim = int(critic.features_extractor.features_dim)
-        online = [parse_output_mlp(q) for q in critic.q_networks]
-        target = [parse_output_mlp(q) for q in critic_target.q_networks]
+        self.obs_dim = int(cast(BaseFeaturesExtractor, critic.features_extractor).features_dim)
+        online = [parse_output_mlp(q) for q in q_networks(critic)]
+        target = [parse_output_mlp(q) for q in q_networks(critic_target)]
         assert all(isinstance(m, Mlp) for m in (*online, *target))
         mlps: list[Mlp] = online  # type: ignore[assignment]
         target_mlps: list[Mlp] = target  # type: ignore[assignment]
         self.groups = len(mlps)
+        #: outputs per critic (1, or TQC's ``n_quantiles``)
+        self.width = int(mlps[0].layers[-1].weight.shape[0])
         self.flat = FlatParameters(list(critic.parameters()), stacked_layout(mlps))
         self.target_flat = FlatParameters(list(critic_target.parameters()), stacked_layout(target_mlps))
         self.adam = FlatAdam(self.flat, optimizer)
@@ -208,15 +231,19 @@ class StackedCritics:
         out = self._q.get((key, h.shape[1]))
         if out is None:
             with th.inference_mode(False):
-                out = self._q[(key, h.shape[1])] = th.empty(h.shape[0], h.shape[1], 1, device=h.device)
+                out = self._q[(key, h.shape[1])] = th.empty(h.shape[0], h.shape[1], self.width, device=h.device)
         return th.baddbmm(head.bias, h, head.weight_t, out=out)
 
     def target_min(self, x: th.Tensor) -> th.Tensor:
         """:return: the smallest target critic value ``[n, 1]`` of inputs ``x = [next_obs, next_actions]``"""
-        return th.amin(self._out(self.target_head, self.target_chain.forward(x), 0), dim=0)
+        return th.amin(self.target_q_values(x), dim=0)
+
+    def target_q_values(self, x: th.Tensor) -> th.Tensor:
+        """:return: every target critic's values ``[G, n, width]`` of inputs ``x`` (a buffer the next call reuses)"""
+        return self._out(self.target_head, self.target_chain.forward(x), 0)
 
     def q_values(self, x: th.Tensor) -> th.Tensor:
-        """:return: every critic's values ``[G, n, 1]`` of inputs ``[obs, actions]`` (a buffer the next call reuses)"""
+        """:return: every critic's values ``[G, n, width]`` of inputs ``[obs, actions]`` (a buffer the next call reuses)"""
         return self._out(self.head, self.chain.forward(x), 1)
 
     def first_q_values(self, x: th.Tensor) -> th.Tensor:
@@ -236,14 +263,23 @@ class StackedCritics:
         diff = self.q_values(x).sub_(target)
         loss = th.mul(th.sum(th.square(diff)), scale / n)
         diff.mul_(2 * scale / n)  # now dL/dQ
+        self.backward_step(diff)
+        return loss
+
+    def backward_step(self, d_q: th.Tensor) -> None:
+        """
+        Back-propagate a loss's gradient with respect to the values of the last :meth:`q_values` and take one Adam step.
+
+        :param d_q: that gradient ``[G, n, width]`` (it may be the values' own buffer)
+        """
+        n = d_q.shape[1]
         head = self.head
-        th.bmm(diff.transpose(1, 2), self.chain.ws[n].acts[-1], out=head.grad_weight)
-        th.sum(diff, 1, out=head.grad_bias)
+        th.bmm(d_q.transpose(1, 2), self.chain.ws[n].acts[-1], out=head.grad_weight)
+        th.sum(d_q, 1, out=head.grad_bias)
         d_last = self.chain.last_grad(n)
-        th.bmm(diff, head.weight, out=d_last)
+        th.bmm(d_q, head.weight, out=d_last)
         self.chain.backward(d_last)
         self.adam.step()
-        return loss
 
     def action_grad(self, d_q: th.Tensor, first: bool = False) -> th.Tensor:
         """

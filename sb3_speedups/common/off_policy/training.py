@@ -6,12 +6,14 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch as th
+from gymnasium import spaces
 from stable_baselines3.common.off_policy_algorithm import OffPolicyAlgorithm
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from torch import nn
 
+from sb3_speedups.common.nn.inputs import float_rows
 from sb3_speedups.common.off_policy.batches import OffPolicyBatches, lay_out
-from sb3_speedups.common.replay.sampling import batchable, chunk_sizes, sample_minibatches
+from sb3_speedups.common.replay.sampling import batchable, chunk_sizes, row_bytes, rows_of, sample_minibatches
 from sb3_speedups.errors import UserValueError
 
 
@@ -46,8 +48,8 @@ def sampled_minibatches(
     assert buffer is not None
     env = model._vec_normalize_env
     if batchable(buffer):
-        row_bytes = 2 * buffer.observations[0, 0].nbytes + buffer.actions[0, 0].nbytes + 16
-        ahead = max(1, AHEAD_BYTES // (row_bytes * batch_size))
+        transition_bytes = 2 * row_bytes(buffer) + buffer.actions[0, 0].nbytes + 16
+        ahead = max(1, AHEAD_BYTES // (transition_bytes * batch_size))
         for chunk in chunk_sizes(gradient_steps, batch_size, buffer):
             for start in range(0, chunk, ahead):  # smaller chunks, the same draws in the same order
                 n = min(ahead, chunk - start)
@@ -63,9 +65,11 @@ def minibatches(model: OffPolicyAlgorithm, gradient_steps: int, batch_size: int)
         (:func:`~sb3_speedups.common.off_policy.batches.lay_out`), as ``(index of the first gradient step,
         minibatches)`` pairs
     """
+    space = model.observation_space
+    rows = None if isinstance(space, spaces.Box) else float_rows(space)
     done = 0
     for n, data in sampled_minibatches(model, gradient_steps, batch_size):
-        yield done, lay_out(data, n, batch_size, model.gamma)
+        yield done, lay_out(data, n, batch_size, model.gamma, rows)
         done += n
 
 
@@ -76,8 +80,7 @@ def split_minibatches(model: OffPolicyAlgorithm, gradient_steps: int, batch_size
             yield data
             continue
         for k in range(n):
-            rows = slice(k * batch_size, (k + 1) * batch_size)
-            yield ReplayBufferSamples(*(None if x is None else x[rows] for x in data))  # type: ignore[arg-type]
+            yield rows_of(data, slice(k * batch_size, (k + 1) * batch_size))
 
 
 def mean_of(values: list[th.Tensor]) -> float:

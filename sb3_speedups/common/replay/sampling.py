@@ -10,7 +10,7 @@ the data gathered and converted once for all of them.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch as th
@@ -18,7 +18,9 @@ from stable_baselines3.common.buffers import NStepReplayBuffer, ReplayBuffer
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from stable_baselines3.common.vec_env import VecNormalize
 
-from sb3_speedups.common.replay.frames import FrameStackReplayBuffer, StackedFrames
+from sb3_speedups.common.replay.frames import FrameStackReplayBuffer
+from sb3_speedups.common.replay.her import her_sampling_supported, sample_her_minibatches
+from sb3_speedups.common.replay.rows import take_rows
 
 # Above this many bytes of observations per train() call, the minibatches are gathered in several chunks.
 CHUNK_BYTES = 64 * 2**20
@@ -99,39 +101,27 @@ def gather(buffer: ReplayBuffer, draw: IndexDraw, env: VecNormalize | None = Non
     n_envs = buffer.n_envs
 
     def flat(positions: np.ndarray) -> np.ndarray:
-        # one row index per transition into [positions * envs, ...] views of the storage (see _take)
+        # one row index per transition into [positions * envs, ...] views of the storage (see take_rows)
         return positions * n_envs + e if n_envs > 1 else positions
 
     rows = flat(b)
     if buffer.optimize_memory_usage:
-        next_obs = _take(buffer.observations, flat((b + 1) % buffer.buffer_size))
+        next_obs = take_rows(buffer.observations, flat((b + 1) % buffer.buffer_size))
     else:
-        next_obs = _take(buffer.next_observations, rows)
-    obs, rewards = _take(buffer.observations, rows), _take(buffer.rewards, rows).reshape(-1, 1)
+        next_obs = take_rows(buffer.next_observations, rows)
+    obs, rewards = take_rows(buffer.observations, rows), take_rows(buffer.rewards, rows).reshape(-1, 1)
     if env is not None:
         obs, next_obs = (
             cast(np.ndarray, buffer._normalize_obs(obs, env)),
             cast(np.ndarray, buffer._normalize_obs(next_obs, env)),
         )
         rewards = buffer._normalize_reward(rewards, env)
-    dones = _take(buffer.dones, rows) * (1 - _take(buffer.timeouts, rows))
-    data = (obs, _take(buffer.actions, rows), next_obs, dones.reshape(-1, 1), rewards)
+    dones = take_rows(buffer.dones, rows) * (1 - take_rows(buffer.timeouts, rows))
+    data = (obs, take_rows(buffer.actions, rows), next_obs, dones.reshape(-1, 1), rewards)
     if buffer.device.type == "cpu":
         # take made fresh arrays: wrap them instead of copying them again (same dtypes and values)
         return ReplayBufferSamples(*(th.from_numpy(x) for x in data))  # type: ignore[arg-type]
     return ReplayBufferSamples(*(buffer.to_torch(x) for x in data))  # type: ignore[arg-type]
-
-
-def _take(storage: np.ndarray | StackedFrames, rows: np.ndarray) -> np.ndarray:
-    """
-    :return: ``storage[b, e]`` for flat rows ``b * n_envs + e`` of a ``[positions, envs, ...]`` storage array: the
-        same elements as stock's two-array fancy indexing, for a fraction of its per-call cost
-    """
-    if isinstance(storage, StackedFrames):
-        return storage.take(rows)
-    if not storage.flags.c_contiguous:  # a reshape would copy the whole storage: index it as stock does
-        return storage[rows // storage.shape[1], rows % storage.shape[1]]
-    return storage.reshape(-1, *storage.shape[2:]).take(rows, axis=0)
 
 
 def _concat(samples: list[ReplayBufferSamples]) -> ReplayBufferSamples:
@@ -151,8 +141,9 @@ def sample_minibatches(
     """
     ``n_batches`` minibatches, concatenated, equal to what ``n_batches`` calls of ``buffer.sample`` return.
 
-    :param buffer: a stock ``ReplayBuffer`` or a ``FrameStackReplayBuffer`` (one index draw, one gather), or an
-        n-step buffer (its own ``sample`` per minibatch: its n-step sums are not vectorised here)
+    :param buffer: a stock ``ReplayBuffer`` or a ``FrameStackReplayBuffer`` (one index draw, one gather), a stock
+        ``HerReplayBuffer`` (:func:`~sb3_speedups.common.replay.her.sample_her_minibatches`), or an n-step buffer (its
+        own ``sample`` per minibatch: its n-step sums are not vectorised here)
     :param batch_size: transitions per minibatch
     :param n_batches: number of minibatches
     :param env: the ``VecNormalize`` wrapper, if any
@@ -169,6 +160,8 @@ def sample_minibatches(
             for arr, new in zip(draw, newest, strict=True):
                 arr.reshape(n_batches, batch_size)[:, :rows] = new[:rows]
         return gather(buffer, draw, env)
+    if not combined and her_sampling_supported(buffer):
+        return sample_her_minibatches(buffer, batch_size, n_batches, env)  # type: ignore[arg-type, return-value]
     if combined:
         raise ValueError(
             f"combined replay needs a stock ReplayBuffer or a one-step FrameStackReplayBuffer, not {type(buffer).__name__}"
@@ -176,9 +169,29 @@ def sample_minibatches(
     return _concat([buffer.sample(batch_size, env=env) for _ in range(n_batches)])
 
 
+def rows_of(data: ReplayBufferSamples, rows: slice) -> ReplayBufferSamples:
+    """:return: the rows ``rows`` of every field of ``data`` (each entry of ``Dict`` observations), as the same type"""
+
+    def part(x: th.Tensor | dict[str, th.Tensor] | None) -> th.Tensor | dict[str, th.Tensor] | None:
+        if isinstance(x, dict):
+            return {key: value[rows] for key, value in x.items()}
+        return None if x is None else x[rows]
+
+    samples: Any = type(data)
+    return samples(*(part(x) for x in data))
+
+
 def batchable(buffer: object) -> bool:
     """:return: whether :func:`sample_minibatches` can sample ahead for this buffer (its draws ignore the network)"""
-    return type(buffer) in (ReplayBuffer, NStepReplayBuffer, FrameStackReplayBuffer)
+    return type(buffer) in (ReplayBuffer, NStepReplayBuffer, FrameStackReplayBuffer) or her_sampling_supported(buffer)
+
+
+def row_bytes(buffer: ReplayBuffer) -> int:
+    """:return: the bytes of one transition's observation (each entry's, for ``Dict`` observations)"""
+    observations = buffer.observations
+    if isinstance(observations, dict):
+        return sum(int(storage[0, 0].nbytes) for storage in observations.values())
+    return int(observations[0, 0].nbytes)
 
 
 def chunk_sizes(n_batches: int, batch_size: int, buffer: ReplayBuffer) -> Iterator[int]:
@@ -186,8 +199,7 @@ def chunk_sizes(n_batches: int, batch_size: int, buffer: ReplayBuffer) -> Iterat
     :return: how many minibatches to sample at a time so that one chunk of observations and next observations
         stays under :data:`CHUNK_BYTES`
     """
-    row_bytes = 2 * buffer.observations[0, 0].nbytes
-    per_chunk = max(1, min(n_batches, CHUNK_BYTES // max(1, row_bytes * batch_size)))
+    per_chunk = max(1, min(n_batches, CHUNK_BYTES // max(1, 2 * row_bytes(buffer) * batch_size)))
     done = 0
     while done < n_batches:
         step = min(per_chunk, n_batches - done)
