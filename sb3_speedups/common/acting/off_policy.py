@@ -24,7 +24,7 @@ from torch import nn
 
 from sb3_speedups.common.acting.actors import ParameterMirror, box_env_actions
 from sb3_speedups.common.acting.torch_mlp import TorchMlp
-from sb3_speedups.common.nn.inputs import float_rows
+from sb3_speedups.common.nn.inputs import float_rows_unless_box
 
 # SB3's bounds on SAC's log standard deviation
 _LOG_STD_MIN, _LOG_STD_MAX = -20.0, 2.0
@@ -53,7 +53,7 @@ class FrozenOffPolicyActor:
         self.nets = [TorchMlp.from_module(module, mirrored) for module in modules]
 
         #: the observations' float rows, ``None`` for a flat ``Box`` (its rows: the observations, flattened)
-        self.float_rows = None if isinstance(actor.observation_space, spaces.Box) else float_rows(actor.observation_space)
+        self.float_rows = float_rows_unless_box(actor.observation_space)
 
     def sync(self) -> None:
         """Refresh the copy from the actor."""

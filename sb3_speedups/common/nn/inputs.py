@@ -119,8 +119,7 @@ class FloatRows:
     ) -> th.Tensor:
         """:return: the float rows ``[n, width]`` of observations (tensors or arrays of ``n`` rows under each key)"""
         obs = obs if isinstance(obs, Mapping) else {"": obs}
-        first = th.as_tensor(obs[self.entries[0].key], device=device)
-        n = first.shape[0]
+        n = len(obs[self.entries[0].key])
         out = th.zeros((n, self.width), dtype=th.float32, device=device)
         for entry in self.entries:
             x = th.as_tensor(obs[entry.key], device=device)
@@ -157,6 +156,11 @@ def float_rows(space: spaces.Space) -> FloatRows:
         entries.append(RowsEntry(key, start, width, one_hot_input(sub)))
         start += width
     return FloatRows(tuple(entries), start)
+
+
+def float_rows_unless_box(space: spaces.Space) -> FloatRows | None:
+    """:return: :func:`float_rows` of ``space``, ``None`` for a flat ``Box`` (its observations, flattened, are its rows)"""
+    return None if isinstance(space, spaces.Box) else float_rows(space)
 
 
 def one_hot_input(space: spaces.Space) -> OneHotInput | None:

@@ -6,12 +6,11 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch as th
-from gymnasium import spaces
 from stable_baselines3.common.off_policy_algorithm import OffPolicyAlgorithm
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from torch import nn
 
-from sb3_speedups.common.nn.inputs import float_rows
+from sb3_speedups.common.nn.inputs import float_rows_unless_box
 from sb3_speedups.common.off_policy.batches import OffPolicyBatches, lay_out
 from sb3_speedups.common.replay.sampling import batchable, chunk_sizes, row_bytes, rows_of, sample_minibatches
 from sb3_speedups.errors import UserValueError
@@ -65,8 +64,7 @@ def minibatches(model: OffPolicyAlgorithm, gradient_steps: int, batch_size: int)
         (:func:`~sb3_speedups.common.off_policy.batches.lay_out`), as ``(index of the first gradient step,
         minibatches)`` pairs
     """
-    space = model.observation_space
-    rows = None if isinstance(space, spaces.Box) else float_rows(space)
+    rows = float_rows_unless_box(model.observation_space)
     done = 0
     for n, data in sampled_minibatches(model, gradient_steps, batch_size):
         yield done, lay_out(data, n, batch_size, model.gamma, rows)
