@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from stable_baselines3.common.buffers import DictRolloutBuffer, RolloutBuffer
 
 from sb3_speedups.common.on_policy.timeouts import Timeouts
-from sb3_speedups.ppo.buffers import FastDictRolloutBuffer, FastRolloutBuffer, compute_gae
+from sb3_speedups.common.on_policy.buffers import FastDictRolloutBuffer, FastRolloutBuffer, compute_gae
 from sb3_speedups.ppo.minibatches import ADVANTAGES, MinibatchSampler, normalize_chunks_
 
 

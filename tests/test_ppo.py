@@ -12,7 +12,7 @@ from stable_baselines3.common.vec_env import VecNormalize
 
 from sb3_speedups import PPO
 from sb3_speedups.common.nn.heads import make_head
-from sb3_speedups.ppo.buffers import env_major_to_time_major
+from sb3_speedups.common.on_policy.buffers import env_major_to_time_major
 from sb3_speedups.ppo.minibatches import Minibatch, MinibatchSampler
 from sb3_speedups.ppo.update import STATS, AutogradPPOUpdate, HandDerivedPPOUpdate, PPOLossConfig
 from sb3_speedups.errors import UserError

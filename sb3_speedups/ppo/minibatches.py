@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch as th
 
-from sb3_speedups.ppo.buffers import env_major_to_time_major
+from sb3_speedups.common.on_policy.buffers import env_major_to_time_major
 
 Observations = th.Tensor | dict[str, th.Tensor]
 

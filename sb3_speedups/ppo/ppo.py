@@ -3,15 +3,15 @@ PPO as in Stable-Baselines3, faster. What differs from stock, and why it is fast
 
 - collection acts from a frozen plain-tensor copy of the policy (:mod:`sb3_speedups.common.acting.actors`), synced once
   per rollout, one batched call per vectorised step, into a buffer allocated once
-  (:class:`~sb3_speedups.ppo.buffers.FastRolloutBuffer`);
-- ``train()`` shuffles once per epoch (:class:`~sb3_speedups.ppo.minibatches.MinibatchSampler`), keeps the
-  statistics on the device until the end, and updates with :class:`~sb3_speedups.ppo.update.HandDerivedPPOUpdate`
-  (hand-derived gradients, flat buffers, fused Adam) for MLP policies, else with the autograd
-  :class:`~sb3_speedups.ppo.update.AutogradPPOUpdate`; with ``split_update`` the critic's half of every minibatch
-  update runs beside the actor's in a forked helper process (:mod:`sb3_speedups.ppo.split_update`, plugged into the
-  one epoch loop of ``train()`` through :class:`~sb3_speedups.ppo.update.TrainHooks`), and on a CUDA device the
-  epochs are replayed from a CUDA graph (:class:`~sb3_speedups.ppo.cuda_graphs.GraphedEpochs`, through
-  ``_graphed_epochs``);
+  (:class:`~sb3_speedups.common.on_policy.buffers.FastRolloutBuffer`);
+- ``train()`` (:class:`~sb3_speedups.ppo.training.PPOTraining`, shared with MaskablePPO) shuffles once per epoch
+  (:class:`~sb3_speedups.ppo.minibatches.MinibatchSampler`), keeps the statistics on the device until the end, and
+  updates with :class:`~sb3_speedups.ppo.update.HandDerivedPPOUpdate` (hand-derived gradients, flat buffers, fused
+  Adam) for MLP policies, else with the autograd :class:`~sb3_speedups.ppo.update.AutogradPPOUpdate`; with
+  ``split_update`` the critic's half of every minibatch update runs beside the actor's in a forked helper process
+  (:mod:`sb3_speedups.ppo.split_update`, plugged into the one epoch loop of ``train()`` through
+  :class:`~sb3_speedups.ppo.update.TrainHooks`), and on a CUDA device the epochs are replayed from a CUDA graph
+  (:class:`~sb3_speedups.ppo.cuda_graphs.GraphedEpochs`, through ``_graphed_epochs``);
 - torch runs on one CPU thread unless the user chose otherwise (faster and steadier for small networks).
 
 The maths and the defaults are stock SB3's; new options (``recompute_advantages``, ``normalize_advantage="batch"``,
@@ -20,54 +20,33 @@ schedules for ``gamma``/``gae_lambda``) are opt-in.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from functools import partial
 from typing import Any, TypeVar
 
-import numpy as np
 import stable_baselines3
-import torch as th
-from gymnasium import spaces
 from stable_baselines3.common.buffers import RolloutBuffer
 from stable_baselines3.common.callbacks import BaseCallback
-from stable_baselines3.common.utils import FloatSchedule, obs_as_tensor
+from stable_baselines3.common.utils import FloatSchedule
 from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_speedups.common.acting.actors import FrozenActorCritic, ModuleActorCritic
 from sb3_speedups.common.nn.heads import make_head
 from sb3_speedups.common.nn.optim import adam_unsupported_reason
+from sb3_speedups.common.on_policy.buffers import FastRolloutBase
+from sb3_speedups.common.on_policy.collection import (
+    collect_rollout,
+    collect_rollout_double_buffered,
+    double_buffer_unsupported_reason,
+)
 from sb3_speedups.common.on_policy.fast_paths import mlp_model_unsupported_reason
-from sb3_speedups.common.on_policy.ppo_loss import STATS, PPOLossConfig, kl_stops, record_train_stats, start_train
-from sb3_speedups.common.fast_model import FastModel
 from sb3_speedups.errors import UserValueError
-from sb3_speedups.ppo.buffers import FastRolloutBase, install_fast_rollout_buffer
-from sb3_speedups.ppo.collection import collect_rollout, collect_rollout_double_buffered, double_buffer_unsupported_reason
-from sb3_speedups.ppo.cuda_graphs import GraphedEpochs, graph_key
-from sb3_speedups.ppo.minibatches import Minibatch, MinibatchSampler
-from sb3_speedups.ppo.split_update import SplitPPOUpdate, split_unsupported_reason
+from sb3_speedups.ppo.split_update import SplitPPOUpdate
+from sb3_speedups.ppo.training import ADVANTAGE_NORMALIZATION, PPOSpeedups, PPOTraining
 from sb3_speedups.ppo.update import AutogradPPOUpdate, HandDerivedPPOUpdate
 
 SelfPPO = TypeVar("SelfPPO", bound="PPO")
 
-_NORMALIZATION = {True: "minibatch", "minibatch": "minibatch", "batch": "batch", False: None, None: None}
-# Observations larger than this (bytes per sample) are gathered per minibatch, not copied once per epoch.
-_EPOCH_GATHER_LIMIT = 4096
 
-
-@dataclass
-class _Speedups:
-    """Speed-only state, rebuilt whenever the policy's parameters or optimizer state are replaced (never saved)."""
-
-    updater: HandDerivedPPOUpdate | AutogradPPOUpdate
-    actor: FrozenActorCritic | ModuleActorCritic
-    fallback_reason: str | None
-    sampler: MinibatchSampler | None = None
-    graphs: GraphedEpochs | None = None
-
-
-class PPO(FastModel, stable_baselines3.PPO):
+class PPO(PPOTraining, stable_baselines3.PPO):
     """
     Proximal Policy Optimization, a drop-in for :class:`stable_baselines3.PPO` (same arguments, ``learn``,
     ``predict``, saved files); see :class:`stable_baselines3.PPO` for every argument not listed here.
@@ -87,7 +66,7 @@ class PPO(FastModel, stable_baselines3.PPO):
     :param cuda_graphs: on a CUDA ``device``, record an epoch of the hand-derived update as a CUDA graph and replay
         it for the later epochs (not with ``target_kl``, which needs the host after every minibatch)
     :param double_buffer: collect with the envs in two halves that step in turn, the policy acting for one half while
-        the other steps (:func:`~sb3_speedups.ppo.collection.collect_rollout_double_buffered`); needs a
+        the other steps (:func:`~sb3_speedups.common.on_policy.collection.collect_rollout_double_buffered`); needs a
         :class:`~sb3_speedups.BatchedSubprocVecEnv` training env with at least two groups of envs
     :param split_update: compute the critic's half of every minibatch update in a forked helper process, beside the
         actor's (:mod:`sb3_speedups.ppo.split_update`; the same numbers as one process). ``"auto"`` does so for
@@ -114,7 +93,7 @@ class PPO(FastModel, stable_baselines3.PPO):
         _init_setup_model: bool = True,
         **kwargs: Any,
     ) -> None:
-        if normalize_advantage not in _NORMALIZATION:
+        if normalize_advantage not in ADVANTAGE_NORMALIZATION:
             raise UserValueError(
                 f"normalize_advantage={normalize_advantage!r} is invalid: use True, False, 'minibatch' or 'batch'"
             )
@@ -127,24 +106,20 @@ class PPO(FastModel, stable_baselines3.PPO):
             env,
             gamma=float(gamma(1.0)) if callable(gamma) else gamma,
             gae_lambda=float(gae_lambda(1.0)) if callable(gae_lambda) else gae_lambda,
-            normalize_advantage=normalize_advantage,  # type: ignore[arg-type]
+            normalize_advantage=normalize_advantage,
+            num_threads=num_threads,
+            inference_device=inference_device,
+            fast_update=fast_update,
             _init_setup_model=False,
             **kwargs,
         )
         self.recompute_advantages = recompute_advantages
-        self.num_threads = num_threads
-        self.inference_device = inference_device
-        self.fast_update = fast_update
         self.compile_loss = compile_loss
         self.cuda_graphs = cuda_graphs
         self.double_buffer = double_buffer
         self.split_update = split_update
-        self._speedups: _Speedups | None = None
         if _init_setup_model:
             self._setup_model()
-
-    def _after_stock_setup(self) -> None:
-        install_fast_rollout_buffer(self)
 
     # ----- speed-only state ---------------------------------------------------------------------------------------
 
@@ -152,15 +127,7 @@ class PPO(FastModel, stable_baselines3.PPO):
         reason = mlp_model_unsupported_reason(self)
         return reason or adam_unsupported_reason(self.policy.optimizer, list(self.policy.parameters()))
 
-    def _inference_device(self) -> th.device:
-        return self.device if self.inference_device == "auto" else th.device(self.inference_device)
-
-    def _ensure_speedups(self) -> _Speedups:
-        speed = self._speedups
-        if speed is not None and speed.updater.policy is self.policy and speed.updater.is_bound():
-            return speed
-        self._close_speedups()
-        reason = self.fast_path_unsupported_reason()
+    def _build_speedups(self, reason: str | None) -> PPOSpeedups:
         if reason is None:
             head = make_head(self.policy.action_dist, self.action_space)
             assert head is not None
@@ -174,38 +141,7 @@ class PPO(FastModel, stable_baselines3.PPO):
             actor = ModuleActorCritic(self.policy, self._inference_device())
             if self.verbose >= 1:
                 print(f"sb3_speedups PPO: using the autograd update ({reason})")
-        self._speedups = _Speedups(updater, actor, reason)
-        return self._speedups
-
-    def split_update_unsupported_reason(self) -> str | None:
-        """:return: why the minibatch update does not run split over two processes (``split_update``), or ``None``"""
-        if self.split_update is False:
-            return "split_update=False"
-        if self.recompute_advantages:
-            return "recompute_advantages=True (the values are recomputed between epochs)"
-        return split_unsupported_reason(self.policy, explicit=self.split_update is True)
-
-    def _close_speedups(self) -> None:
-        """Stop the split update's helper process, if one runs (the speed-only state is rebuilt when needed)."""
-        speed = getattr(self, "_speedups", None)
-        if speed is not None and isinstance(speed.updater, SplitPPOUpdate):
-            speed.updater.close()
-
-    def _sampler(self, speed: _Speedups) -> MinibatchSampler:
-        normalize = _NORMALIZATION[self.normalize_advantage]  # type: ignore[index]
-        sampler = speed.sampler
-        key = (self.n_steps, self.n_envs, self.batch_size, self.device, normalize)
-        if sampler is None or (sampler.n_steps, sampler.n_envs, sampler.batch_size, sampler.device, sampler.normalize) != key:
-            obs_bytes = sum(int(np.prod(s.shape or ())) * np.dtype(s.dtype).itemsize for s in self._observation_spaces())
-            gather = (
-                "epoch" if isinstance(speed.updater, HandDerivedPPOUpdate) or obs_bytes <= _EPOCH_GATHER_LIMIT else "minibatch"
-            )
-            sampler = speed.sampler = MinibatchSampler(*key, gather_observations=gather)
-        return sampler
-
-    def _observation_spaces(self) -> list[spaces.Space]:
-        space = self.observation_space
-        return list(space.spaces.values()) if isinstance(space, spaces.Dict) else [space]
+        return PPOSpeedups(updater, actor, reason)
 
     # ----- collection ---------------------------------------------------------------------------------------------
 
@@ -221,8 +157,7 @@ class PPO(FastModel, stable_baselines3.PPO):
         reason = double_buffer_unsupported_reason(self, env) if self.double_buffer else None
         if reason is not None:
             raise UserValueError(reason)
-        speed = self._ensure_speedups()
-        speed.actor.sync()
+        speed = self._synced_speedups(rollout_buffer)
         progress = self._current_progress_remaining
         if self._gamma_schedule is not None:
             self.gamma = float(self._gamma_schedule(progress))
@@ -231,137 +166,3 @@ class PPO(FastModel, stable_baselines3.PPO):
         rollout_buffer.gamma, rollout_buffer.gae_lambda = self.gamma, self.gae_lambda
         collect = collect_rollout_double_buffered if self.double_buffer else collect_rollout
         return collect(self, env, callback, rollout_buffer, n_rollout_steps, speed.actor, self.gamma)
-
-    # ----- update -------------------------------------------------------------------------------------------------
-
-    def _load_rollout(self, speed: _Speedups, sampler: MinibatchSampler) -> None:
-        buffer = self.rollout_buffer
-        assert isinstance(buffer, FastRolloutBase)
-        scalars = th.stack([buffer.flat(name) for name in ("values", "log_probs", "advantages", "returns")])
-        updater = speed.updater
-        sampler.load(
-            updater.training_observations(buffer.flat_observations()),
-            updater.training_actions(buffer.flat("actions")),
-            scalars,
-        )
-
-    def _recompute_advantages(self, speed: _Speedups, sampler: MinibatchSampler) -> None:
-        buffer = self.rollout_buffer
-        assert isinstance(buffer, FastRolloutBase)
-        updater = speed.updater
-
-        def values_of(obs: Any) -> np.ndarray:
-            return updater.predict_values(updater.training_observations(obs_as_tensor(obs, self.device))).cpu().numpy()
-
-        values = updater.predict_values(sampler.observations).cpu().numpy().reshape(self.n_steps, self.n_envs)
-        timeouts = [values_of(record.timeouts.observations) for record in buffer.timeouts]
-        buffer.recompute_returns_and_advantage(values, values_of(buffer.last_observations), timeouts)
-        sampler.set_targets(buffer.flat("advantages"), buffer.flat("returns"))
-
-    def train(self) -> None:
-        """Update the policy on the collected rollout: SB3's PPO loss, minus its per-minibatch overheads."""
-        if not isinstance(self.rollout_buffer, FastRolloutBase):
-            return super().train()
-        speed = self._ensure_speedups()
-        sampler = self._sampler(speed)
-        cfg = start_train(self)
-        self._load_rollout(speed, sampler)
-        stats = th.empty(self.n_epochs * math.ceil(sampler.n / self.batch_size), len(STATS), device=self.device)
-        # The hand-derived update needs no autograd: without its dispatch every op is cheaper. Its cached buffers are
-        # allocated as normal tensors all the same.
-        with th.inference_mode(isinstance(speed.updater, HandDerivedPPOUpdate)):
-            rows, last_epoch_start = self._run_epochs(speed, sampler, cfg, stats)
-        record_train_stats(self, stats[:rows], last_epoch_start, cfg)
-
-    def _run_epochs(
-        self, speed: _Speedups, sampler: MinibatchSampler, cfg: PPOLossConfig, stats: th.Tensor
-    ) -> tuple[int, int]:
-        """
-        The epochs of minibatch updates, for every updater: what an updater adds (the split update's helper process)
-        comes through its :class:`~sb3_speedups.ppo.update.TrainHooks`; with CUDA graphs an epoch is a replay.
-
-        :return: the minibatch updates done and the index of the last epoch's first one
-        """
-        updater = speed.updater
-        graphs = self._graphed_epochs(speed, sampler, cfg)
-        begin_minibatch = updater.begin_minibatch if updater.minibatch_hook else None
-        stat_rows = stats.unbind(0)  # the row views at once, not one indexing per minibatch
-        rows = last_epoch_start = 0
-        try:
-            with updater.train_guard() as interrupted:
-                updater.begin_train(sampler, cfg, stats.shape[0])
-                for epoch in range(self.n_epochs):
-                    if self.recompute_advantages and epoch > 0:
-                        self._recompute_advantages(speed, sampler)
-                    last_epoch_start = rows
-                    if graphs is None:
-                        if sampler.draw():
-                            sampler.gather()
-                            updater.gathered(sampler.index)
-                        done, stop = self._minibatch_updates(
-                            updater, sampler, cfg, stat_rows[rows:], rows, epoch, begin_minibatch, interrupted
-                        )
-                    else:
-                        replayed = partial(self._minibatch_updates, updater, sampler, cfg, graphs.rows, 0, epoch)
-                        epoch_stats = graphs.run_epoch(cfg, replayed)
-                        done, stop = epoch_stats.shape[0], False
-                        stats[rows : rows + done].copy_(epoch_stats)
-                    rows += done
-                    self._n_updates += 1
-                    if stop:
-                        break
-                updater.end_train(stats, rows)
-        except BaseException:
-            updater.abandon()
-            raise
-        return rows, last_epoch_start
-
-    def _minibatch_updates(
-        self,
-        updater: HandDerivedPPOUpdate | AutogradPPOUpdate,
-        sampler: MinibatchSampler,
-        cfg: PPOLossConfig,
-        stat_rows: Sequence[th.Tensor],
-        first_row: int,
-        epoch: int,
-        begin_minibatch: Callable[[Minibatch, int], None] | None = None,
-        interrupted: Sequence[int] = (),
-    ) -> tuple[int, bool]:
-        """
-        One epoch's minibatch updates, the statistics of the ``i``-th into ``stat_rows[i]``.
-
-        :return: how many were done, and whether training stops (``target_kl``, or a deferred Ctrl-C)
-        """
-        done = 0
-        for minibatch, row in zip(sampler.minibatches(), stat_rows, strict=False):
-            if begin_minibatch is not None:
-                begin_minibatch(minibatch, first_row + done)
-            updater.forward(minibatch, cfg, row)
-            done += 1
-            if kl_stops(self, row, epoch):
-                return done, True
-            updater.backward()
-            updater.optimizer_step(cfg.max_grad_norm)
-            if interrupted:
-                return done, True
-        return done, False
-
-    def _graphed_epochs(self, speed: _Speedups, sampler: MinibatchSampler, cfg: PPOLossConfig) -> GraphedEpochs | None:
-        """
-        :return: the recorded epochs to replay (the updater then reads its scheduled numbers from device scalars), or
-            ``None`` to run op by op (CPU, autograd update, ``target_kl``)
-        """
-        updater = speed.updater
-        if isinstance(updater, HandDerivedPPOUpdate):
-            updater.use_host_scalars()
-        if not (self.cuda_graphs and self.device.type == "cuda" and isinstance(updater, HandDerivedPPOUpdate)):
-            return None
-        if self.target_kl is not None or not sampler.per_epoch_obs:
-            return None
-        graphs = speed.graphs
-        if graphs is not None and graphs.failed is not None:
-            return None
-        updater.set_device_scalars(cfg, float(self.policy.optimizer.param_groups[0]["lr"]))
-        if graphs is None or graphs.key != graph_key(updater, sampler, cfg):
-            graphs = speed.graphs = GraphedEpochs(updater, sampler)
-        return graphs

@@ -14,7 +14,7 @@ from sb3_contrib.common.maskable.buffers import (
     MaskableRolloutBufferSamples,
 )
 
-from sb3_speedups.ppo.buffers import FastDictRolloutBuffer, FastRolloutBase, FastRolloutBuffer
+from sb3_speedups.common.on_policy.buffers import FastDictRolloutBuffer, FastRolloutBase, FastRolloutBuffer
 
 
 class FastMaskableBase(FastRolloutBase):
@@ -61,7 +61,7 @@ class FastMaskableBase(FastRolloutBase):
 
 class FastMaskableRolloutBuffer(FastMaskableBase, FastRolloutBuffer, MaskableRolloutBuffer):  # type: ignore[misc]
     """Drop-in ``MaskableRolloutBuffer`` (same constructor, ``add(..., action_masks=...)``, ``action_masks``,
-    ``mask_dims`` and ``get``) on :class:`~sb3_speedups.ppo.buffers.FastRolloutBuffer`'s storage."""
+    ``mask_dims`` and ``get``) on :class:`~sb3_speedups.common.on_policy.buffers.FastRolloutBuffer`'s storage."""
 
     _stock = MaskableRolloutBuffer
     _samples = MaskableRolloutBufferSamples

@@ -1,13 +1,14 @@
 """
 MaskablePPO as in sb3-contrib, faster, on PPO's engine. What differs from stock, and why it is faster:
 
-- collection is PPO's (:func:`sb3_speedups.ppo.collection.collect_rollout`): one batched call of a frozen copy of the
-  policy per vectorised step, with the envs' action masks (sb3-contrib's ``get_action_masks``) applied to the logits
-  as sb3-contrib does (:mod:`sb3_speedups.common.nn.heads.masked`), into a buffer allocated once that also keeps the
-  masks (:class:`~sb3_speedups.ppo_mask.buffers.FastMaskableRolloutBuffer`, its ``Dict`` twin for vector entries);
-- ``train()`` is PPO's: one shuffle per epoch, the masks gathered with the actions, the hand-derived update
-  (:class:`~sb3_speedups.ppo.update.HandDerivedPPOUpdate`) with the masked categorical head, fused Adam, optionally
-  split over two processes or replayed from a CUDA graph;
+- collection is PPO's (:func:`~sb3_speedups.common.on_policy.collection.collect_rollout`): one batched call of a
+  frozen copy of the policy per vectorised step, with the envs' action masks (sb3-contrib's ``get_action_masks``)
+  applied to the logits as sb3-contrib does (:mod:`sb3_speedups.common.nn.heads.masked`), into a buffer allocated
+  once that also keeps the masks (:class:`~sb3_speedups.ppo_mask.buffers.FastMaskableRolloutBuffer`, its ``Dict``
+  twin for vector entries);
+- ``train()`` is PPO's (:class:`~sb3_speedups.ppo.training.PPOTraining`): one shuffle per epoch, the masks gathered
+  with the actions, the hand-derived update (:class:`~sb3_speedups.ppo.update.HandDerivedPPOUpdate`) with the masked
+  categorical head, fused Adam, optionally split over two processes or replayed from a CUDA graph;
 - anything else (CNN or image ``Dict`` observations, custom policies or buffers, another optimizer) runs sb3-contrib's own
   code, unchanged.
 
@@ -30,18 +31,17 @@ from sb3_speedups.common.nn.heads.masked import make_masked_head
 from sb3_speedups.common.nn.optim import adam_unsupported_reason
 from sb3_speedups.common.nn.actor_critic import mlp_unsupported_reason
 from sb3_speedups.common.nn.inputs import flat_input_unsupported_reason
-from sb3_speedups.common.fast_model import FastModel
 from sb3_speedups.errors import UserValueError
-from sb3_speedups.ppo.collection import collect_rollout
+from sb3_speedups.common.on_policy.collection import collect_rollout
 from sb3_speedups.ppo.minibatches import MinibatchSampler
-from sb3_speedups.ppo.ppo import PPO, _Speedups
+from sb3_speedups.ppo.training import PPOSpeedups, PPOTraining
 from sb3_speedups.ppo.split_update import SplitPPOUpdate
 from sb3_speedups.ppo.update import HandDerivedPPOUpdate
 from sb3_speedups.ppo_mask.buffers import FastMaskableDictRolloutBuffer, FastMaskableRolloutBuffer, FastMaskableBase
 from sb3_speedups.ppo_mask.masks import masks_reader
 
 
-class MaskablePPO(FastModel, sb3_contrib.MaskablePPO):
+class MaskablePPO(PPOTraining, sb3_contrib.MaskablePPO):
     """
     PPO with invalid-action masking, a drop-in for :class:`sb3_contrib.MaskablePPO` (same arguments, ``learn`` with
     ``use_masking``, ``predict`` with ``action_masks``, saved files); see :class:`sb3_contrib.MaskablePPO` for every
@@ -56,18 +56,6 @@ class MaskablePPO(FastModel, sb3_contrib.MaskablePPO):
         :class:`sb3_speedups.PPO`): ``True``, ``False`` or ``"auto"``; off by default: masking problems are
         mostly collection-bound (env and mask calls), where the helper's per-update handshakes cost more than they save
     """
-
-    # PPO's engine, used as it is (typed Any: mypy binds them to PPO): these read only attributes that both classes
-    # have, as PPO.train (called by train below) does.
-    _close_speedups: Any = PPO._close_speedups
-    _inference_device: Any = PPO._inference_device
-    _sampler: Any = PPO._sampler
-    _observation_spaces: Any = PPO._observation_spaces
-    _recompute_advantages: Any = PPO._recompute_advantages
-    _run_epochs: Any = PPO._run_epochs
-    _minibatch_updates: Any = PPO._minibatch_updates
-    _graphed_epochs: Any = PPO._graphed_epochs
-    split_update_unsupported_reason: Any = PPO.split_update_unsupported_reason
 
     def __init__(
         self,
@@ -84,14 +72,17 @@ class MaskablePPO(FastModel, sb3_contrib.MaskablePPO):
     ) -> None:
         if split_update not in (True, False, "auto"):
             raise UserValueError(f"split_update={split_update!r} is invalid: use True, False or 'auto'")
-        super().__init__(policy, env, _init_setup_model=False, **kwargs)
-        self.num_threads = num_threads
-        self.inference_device = inference_device
-        self.fast_update = fast_update
+        super().__init__(
+            policy,
+            env,
+            num_threads=num_threads,
+            inference_device=inference_device,
+            fast_update=fast_update,
+            _init_setup_model=False,
+            **kwargs,
+        )
         self.cuda_graphs = cuda_graphs
         self.split_update = split_update
-        self.recompute_advantages = False  # PPO's epoch loop asks
-        self._speedups: _Speedups | None = None
         self._fallback_reason: str | None = None  # the last one printed
         if _init_setup_model:
             self._setup_model()
@@ -129,14 +120,8 @@ class MaskablePPO(FastModel, sb3_contrib.MaskablePPO):
             reason = f"action distribution {type(self.policy.action_dist).__name__} has no masked head"
         return reason or adam_unsupported_reason(self.policy.optimizer, list(self.policy.parameters()))
 
-    def _ensure_speedups(self) -> _Speedups | None:
-        """:return: the fast path's state (built when missing or stale), or ``None`` where sb3-contrib's code runs"""
-        speed = self._speedups
-        if speed is not None and speed.updater.policy is self.policy and speed.updater.is_bound():
-            return speed
-        self._close_speedups()
-        self._speedups = None
-        reason = self.fast_path_unsupported_reason()
+    def _build_speedups(self, reason: str | None) -> PPOSpeedups | None:
+        """:return: the fast path's state, or ``None`` where sb3-contrib's code runs"""
         if reason is not None:
             if self.verbose >= 1 and reason != self._fallback_reason:
                 print(f"sb3_speedups MaskablePPO: using sb3-contrib's code ({reason})")
@@ -147,8 +132,7 @@ class MaskablePPO(FastModel, sb3_contrib.MaskablePPO):
         policy: Any = self.policy  # a MaskableActorCriticPolicy: the same networks as an ActorCriticPolicy
         split = self.split_update_unsupported_reason() is None
         updater = SplitPPOUpdate(policy, head) if split else HandDerivedPPOUpdate(policy, head)
-        self._speedups = _Speedups(updater, FrozenActorCritic(policy, head, self._inference_device()), None)
-        return self._speedups
+        return PPOSpeedups(updater, FrozenActorCritic(policy, head, self._inference_device()), None)
 
     # ----- collection and update ----------------------------------------------------------------------------------
 
@@ -160,23 +144,17 @@ class MaskablePPO(FastModel, sb3_contrib.MaskablePPO):
         n_rollout_steps: int,
         use_masking: bool = True,
     ) -> bool:
-        speed = self._ensure_speedups()
+        speed = self._ensure_speedups()  # before the buffer check: with verbose, it says why sb3-contrib's code runs
         if speed is None or not isinstance(rollout_buffer, FastMaskableBase):
-            return super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps, use_masking)
+            return sb3_contrib.MaskablePPO.collect_rollouts(self, env, callback, rollout_buffer, n_rollout_steps, use_masking)
         if use_masking and not is_masking_supported(env):
             raise ValueError("Environment does not support action masking. Consider using ActionMasker wrapper")
         speed.actor.sync()
         masks_of = masks_reader(env) if use_masking else None
         return collect_rollout(self, env, callback, rollout_buffer, n_rollout_steps, speed.actor, self.gamma, masks_of)
 
-    def _load_rollout(self, speed: _Speedups, sampler: MinibatchSampler) -> None:
+    def _load_rollout(self, speed: PPOSpeedups, sampler: MinibatchSampler) -> None:
         """PPO's, plus the rollout's masks as one more per-sample action tensor (gathered with the actions)."""
-        PPO._load_rollout(self, speed, sampler)  # type: ignore[arg-type]
+        super()._load_rollout(speed, sampler)
         assert isinstance(self.rollout_buffer, FastMaskableBase)
         sampler.add_actions({"masks": self.rollout_buffer.flat("action_masks").bool()})
-
-    def train(self) -> None:
-        """sb3-contrib's update computed by PPO's engine (same loss, minibatches, ``target_kl`` and logs)."""
-        if self._ensure_speedups() is None:
-            return super().train()
-        PPO.train(self)  # type: ignore[arg-type]

@@ -20,7 +20,7 @@ from stable_baselines3.common.vec_env import VecEnv
 from sb3_speedups.common.on_policy.timeouts import bootstrap_timeouts
 from sb3_speedups.common.training_mode import set_training_mode
 from sb3_speedups.common.vec_env.stepping import SubsetSteppingMixin
-from sb3_speedups.ppo.buffers import FastRolloutBase
+from sb3_speedups.common.on_policy.buffers import FastRolloutBase
 from sb3_speedups.errors import UserError
 
 
