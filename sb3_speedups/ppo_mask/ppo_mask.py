@@ -62,9 +62,6 @@ class MaskablePPO(PPOTraining, sb3_contrib.MaskablePPO):
         policy: Any,
         env: Any,
         *,
-        num_threads: int | None = None,
-        inference_device: str = "cpu",
-        fast_update: bool = True,
         cuda_graphs: bool = True,
         split_update: bool | str = False,
         _init_setup_model: bool = True,
@@ -72,15 +69,7 @@ class MaskablePPO(PPOTraining, sb3_contrib.MaskablePPO):
     ) -> None:
         if split_update not in (True, False, "auto"):
             raise UserValueError(f"split_update={split_update!r} is invalid: use True, False or 'auto'")
-        super().__init__(
-            policy,
-            env,
-            num_threads=num_threads,
-            inference_device=inference_device,
-            fast_update=fast_update,
-            _init_setup_model=False,
-            **kwargs,
-        )
+        super().__init__(policy, env, _init_setup_model=False, **kwargs)
         self.cuda_graphs = cuda_graphs
         self.split_update = split_update
         self._fallback_reason: str | None = None  # the last one printed
