@@ -22,8 +22,8 @@ FLUSH_SUBNORMALS_EVERY = 16
 #: the flush only runs with an Adam ``eps`` at least this large (torch's default 1e-8, SB3's PPO 1e-5), where a
 #: subnormal moment cannot change a parameter (see :meth:`FlatAdam.flush_subnormal_moments`)
 FLUSH_MIN_EPS = 1e-10
-# float32 exponent bits: all zero for zeros and subnormal numbers
-_EXPONENT_BITS = 0x7F800000
+# the largest subnormal float32 (all exponent bits zero, all fraction bits one)
+_LARGEST_SUBNORMAL = float(th.tensor(0x007FFFFF, dtype=th.int32).view(th.float32))
 
 
 def _flat_unsupported_reason(
@@ -90,8 +90,9 @@ def make_flat_optimizer(flat: FlatParameters, optimizer: th.optim.Optimizer) -> 
 
 def flush_subnormals_(tensor: th.Tensor) -> None:
     """Set the subnormal entries (below 1.2e-38 in size) of a float32 tensor to zero, in place."""
-    bits = tensor.view(th.int32)
-    bits.masked_fill_(bits.bitwise_and(_EXPONENT_BITS).eq(0), 0)
+    # hardshrink zeroes |x| <= lambd (-0.0 too, to +0.0) and keeps the rest, NaN included, in one vectorised pass:
+    # the result of masking the entries whose exponent bits are all zero, several times faster
+    th.hardshrink(tensor, _LARGEST_SUBNORMAL, out=tensor)
 
 
 class FlatAdam:

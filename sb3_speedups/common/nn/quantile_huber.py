@@ -21,16 +21,33 @@ import torch as th
 
 @dataclass
 class _Pairwise:
-    """Kept buffers of one shape of pairs ``[..., Q, T]``."""
+    """Kept buffers and views of one call shape (pairs ``[..., Q, T]``), made once: a call then runs only kernels."""
 
     #: ``δ = y_t - θ_j``
     delta: th.Tensor
     #: ``c``, ``c⁻``, ``c (δ - c/2)`` and ``c⁻ (δ - c⁻/2)``, side by side ``[4, ..., Q, T]``
     terms: th.Tensor
+    #: the four terms' views ``[..., Q, T]``
+    slope: th.Tensor
+    negative: th.Tensor
+    huber: th.Tensor
+    negative_huber: th.Tensor
+    #: ``terms`` as ``[4 ... Q, T]`` rows (the product's left side)
+    rows: th.Tensor
     #: ``[T, 1]`` ones
     ones: th.Tensor
-    #: the four sums over the targets ``[4 ... Q, 1]``
+    #: the four sums over the targets ``[4 ... Q, 1]`` (the product's output)
     sums: th.Tensor
+    #: their views ``[..., Q]``: of ``c``, ``c⁻``, the Huber loss and the negative part's Huber loss
+    sum_slope: th.Tensor
+    sum_negative: th.Tensor
+    sum_huber: th.Tensor
+    sum_negative_huber: th.Tensor
+    #: ``τ`` and ``1 - 2τ`` ``[Q]``
+    tau: th.Tensor
+    skew: th.Tensor
+    #: ``1 / N``
+    scale: float
 
 
 class QuantileHuberLoss:
@@ -42,26 +59,46 @@ class QuantileHuberLoss:
 
     def __init__(self, n_quantiles: int) -> None:
         self.n_quantiles = n_quantiles
-        self._pairwise: dict[tuple[tuple[int, ...], th.device], _Pairwise] = {}
-        self._levels: dict[th.device, th.Tensor] = {}
+        # by the call's shapes, device and reduction: the hot loop's calls look up their buffers and views in one step
+        self._pairwise: dict[tuple[th.Size, th.Size, th.device, bool], _Pairwise] = {}
 
-    def _levels_on(self, device: th.device) -> th.Tensor:
-        """:return: ``τ`` and ``1 - 2τ`` ``[2, Q]``, ``τ`` as sb3-contrib computes it"""
-        levels = self._levels.get(device)
-        if levels is None:
-            with th.inference_mode(False):  # normal tensors, usable in any mode
-                tau = (th.arange(self.n_quantiles, device=device, dtype=th.float) + 0.5) / self.n_quantiles
-                levels = self._levels[device] = th.stack([tau, 1 - 2 * tau])
-        return levels
+    def _levels(self, device: th.device) -> tuple[th.Tensor, th.Tensor]:
+        """:return: ``τ`` (as sb3-contrib computes it) and ``1 - 2τ``, each ``[Q]``"""
+        tau = (th.arange(self.n_quantiles, device=device, dtype=th.float) + 0.5) / self.n_quantiles
+        return tau, 1 - 2 * tau
 
-    def _buffers(self, shape: tuple[int, ...], device: th.device) -> _Pairwise:
-        pairwise = self._pairwise.get((shape, device))
-        if pairwise is None:
-            with th.inference_mode(False):
-                terms = th.empty(4, *shape, device=device)
-                sums = th.empty(terms.numel() // shape[-1], 1, device=device)
-                pairwise = _Pairwise(th.empty(shape, device=device), terms, th.ones(shape[-1], 1, device=device), sums)
-                self._pairwise[(shape, device)] = pairwise
+    @th.inference_mode(False)  # normal tensors, usable in any mode
+    def _buffers(self, target: th.Tensor, current: th.Tensor, sum_over_quantiles: bool) -> _Pairwise:
+        shape = th.broadcast_shapes((*target.shape[:-1], 1, target.shape[-1]), (*current.shape, 1))
+        device = current.device
+        terms = th.empty(4, *shape, device=device)
+        rows = terms.view(-1, shape[-1])
+        sums = th.empty(rows.shape[0], 1, device=device)
+        delta = th.empty(shape, device=device)
+        pairs = delta.numel()
+        scale = 1.0 / (pairs // self.n_quantiles if sum_over_quantiles else pairs)
+        tau, skew = self._levels(device)
+        slope, negative, huber, negative_huber = terms.unbind(0)
+        sum_slope, sum_negative, sum_huber, sum_negative_huber = sums.view(4, *shape[:-1]).unbind(0)
+        pairwise = _Pairwise(
+            delta,
+            terms,
+            slope,
+            negative,
+            huber,
+            negative_huber,
+            rows,
+            th.ones(shape[-1], 1, device=device),
+            sums,
+            sum_slope,
+            sum_negative,
+            sum_huber,
+            sum_negative_huber,
+            tau,
+            skew,
+            scale,
+        )
+        self._pairwise[(target.shape, current.shape, device, sum_over_quantiles)] = pairwise
         return pairwise
 
     def __call__(
@@ -75,18 +112,17 @@ class QuantileHuberLoss:
         :param out: where to write the gradient (may be ``current``: its values are read before)
         :return: ``∂L/∂current`` (shaped as ``current``) and the loss (0-dim)
         """
-        levels = self._levels_on(current.device)
-        tau, skew = levels[0], levels[1]
-        shape = th.broadcast_shapes((*target.shape[:-1], 1, target.shape[-1]), (*current.shape, 1))
-        buf = self._buffers(tuple(shape), current.device)
-        delta = th.sub(target.unsqueeze(-2), current.unsqueeze(-1), out=buf.delta)
-        slope, negative, huber, negative_huber = buf.terms.unbind(0)
+        buf = self._pairwise.get((target.shape, current.shape, current.device, sum_over_quantiles))
+        if buf is None:
+            buf = self._buffers(target, current, sum_over_quantiles)
+        delta, slope, negative = buf.delta, buf.slope, buf.negative
+        th.sub(target.unsqueeze(-2), current.unsqueeze(-1), out=delta)
         th.clamp(delta, -1.0, 1.0, out=slope)
         th.clamp(slope, max=0.0, out=negative)
-        th.add(delta, slope, alpha=-0.5, out=huber).mul_(slope)
-        th.add(delta, negative, alpha=-0.5, out=negative_huber).mul_(negative)
-        sums = th.mm(buf.terms.view(-1, delta.shape[-1]), buf.ones, out=buf.sums).view(4, *delta.shape[:-1])
-        scale = 1.0 / (delta.numel() // self.n_quantiles if sum_over_quantiles else delta.numel())
-        loss = th.sum(sums[2] * tau + sums[3] * skew) * scale
-        grad = th.mul(sums[0], tau, out=out).addcmul_(sums[1], skew).mul_(-scale)
+        th.add(delta, slope, alpha=-0.5, out=buf.huber).mul_(slope)
+        th.add(delta, negative, alpha=-0.5, out=buf.negative_huber).mul_(negative)
+        th.mm(buf.rows, buf.ones, out=buf.sums)
+        tau, skew, scale = buf.tau, buf.skew, buf.scale
+        loss = th.sum(buf.sum_huber * tau + buf.sum_negative_huber * skew) * scale
+        grad = th.mul(buf.sum_slope, tau, out=out).addcmul_(buf.sum_negative, skew).mul_(-scale)
         return grad, loss
