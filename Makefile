@@ -19,7 +19,8 @@ $(VENV)/.installed-tests: $(VENV)/.installed
 # test-avx2` with ATen's and MKL's AVX2 code paths forced: on an AVX-512 Intel CPU that computes what AMD CPUs compute.
 NUMERIC_TESTS := tests/test_equivalence.py tests/test_mlp.py tests/test_inference.py tests/test_maths.py \
 	tests/test_optim.py tests/test_saves.py tests/test_off_policy_collection.py tests/test_off_policy.py \
-	tests/test_dqn.py tests/test_ppo_recurrent.py tests/test_gru.py
+	tests/test_dqn.py tests/test_ppo_recurrent.py tests/test_gru.py tests/test_trpo.py \
+	tests/test_qrdqn.py tests/test_tqc.py tests/test_crossq.py tests/test_ars.py
 
 .PHONY: install install-tests test test-avx2 compat train lint format type bench
 install: $(VENV)/.installed

@@ -20,6 +20,9 @@ _LAZY = {
     "TD3": "sb3_speedups.td3:TD3",
     "DDPG": "sb3_speedups.ddpg:DDPG",
     "TQC": "sb3_speedups.tqc:TQC",
+    "CrossQ": "sb3_speedups.crossq:CrossQ",
+    "TRPO": "sb3_speedups.trpo:TRPO",
+    "ARS": "sb3_speedups.ars:ARS",
 }
 
 # Needs an extra (sb3-speedups[ray]); left out of __all__ so that a star import works without it.

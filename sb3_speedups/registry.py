@@ -75,9 +75,14 @@ ALGOS: dict[str, AlgoSpec] = {
             "qrdqn", "sb3_contrib:QRDQN", fast="sb3_speedups.qrdqn:QRDQN", sampler="sb3_speedups.tune.spaces:qrdqn_space"
         ),
         AlgoSpec("tqc", "sb3_contrib:TQC", fast="sb3_speedups.tqc:TQC", sampler="sb3_speedups.tune.spaces:tqc_space"),
-        AlgoSpec("trpo", "sb3_contrib:TRPO"),
-        AlgoSpec("ars", "sb3_contrib:ARS"),
-        AlgoSpec("crossq", "sb3_contrib:CrossQ"),
+        AlgoSpec("trpo", "sb3_contrib:TRPO", fast="sb3_speedups.trpo:TRPO", sampler="sb3_speedups.tune.spaces:trpo_space"),
+        AlgoSpec("ars", "sb3_contrib:ARS", fast="sb3_speedups.ars:ARS", sampler="sb3_speedups.tune.spaces:ars_space"),
+        AlgoSpec(
+            "crossq",
+            "sb3_contrib:CrossQ",
+            fast="sb3_speedups.crossq:CrossQ",
+            sampler="sb3_speedups.tune.spaces:crossq_space",
+        ),
     )
 }
 

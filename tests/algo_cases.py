@@ -25,7 +25,9 @@ from stable_baselines3.common.vec_env import VecEnv
 from gymnasium.spaces import Box, Discrete
 
 from sb3_speedups import A2C, DDPG, DQN, PPO, QRDQN, SAC, TD3, TQC, RecurrentPPO
+from sb3_speedups.crossq import CrossQ
 from sb3_speedups.ppo_mask import MaskablePPO
+from sb3_speedups.trpo import TRPO
 from sb3_speedups.ppo_recurrent.collection import frozen_actor_unsupported_reason
 from tests.space_envs import (
     BatchNormExtractor,
@@ -191,6 +193,10 @@ RECURRENT_CASE = dict(
 LINUX_ONLY = (pytest.mark.skipif(not sys.platform.startswith("linux"), reason="split updates need Linux's fork()"),)
 
 PPO_ENV = seeded_envs("CartPole-v1", 4, 3, max_episode_steps=6)
+SEEDED_TRPO = dict(n_steps=16, batch_size=32, n_critic_updates=3, seed=3)
+# The conjugate gradient chains ~10 Fisher-vector products and divides by their dot products, which amplifies the
+# float32 rounding of hand-derived against autograd products (seen: 1e-6 relative after 3 updates, AMD EPYC).
+TRPO_TOLERANCE = dict(param_atol=1e-5, param_rtol=1e-4)
 PENDULUM_ENV = seeded_envs("Pendulum-v1", 4, 3, max_episode_steps=6)
 SEEDED_A2C = dict(n_steps=16, seed=3)
 A2C_BOX = dict(
@@ -241,6 +247,16 @@ SAC_CASE = {**OFF_POLICY_CASE, "engine": "HandDerivedSACUpdate"}
 # TQC runs SAC's update with TQC's critic loss (sb3_speedups.tqc.quantile_loss)
 TQC_SMALL = {**OFF_POLICY_SMALL, "policy_kwargs": dict(net_arch=[32, 32], n_quantiles=5)}
 TD3_CASE = {**OFF_POLICY_CASE, "engine": "HandDerivedTD3Update"}
+# CrossQ: stock's losses through autograd with the batch-renormalisation layers as functions (sb3_speedups.crossq)
+CROSSQ_SMALL = {**OFF_POLICY_SMALL, "policy_delay": 2}
+# param_atol: a Linear bias before a batch-renormalised ReLU unit that is on for the whole batch has a gradient of 0 up
+# to float32 rounding, and Adam (betas 0.5, 0.999) steps it by about the learning rate with the sign rounding picks:
+# seen on a 2-core AMD EPYC: crossq-fixed-ent-coef-4envs, 340 of 4569 entries by up to 1.4e-3 after 16 updates, the
+# others within 1e-6 (crossq: none beyond 3e-7). The actions (equal until the trajectories part) are the strict check
+# here; tests/test_crossq.py compares the gradients.
+# predict: ours keeps the weights in flat buffers, off 64-byte alignment after the batch-renormalisation layers'
+# numbers, where MKL's products round otherwise than on stock's tensors (seen: 2.4e-7 on a deterministic action)
+CROSSQ_CASE = {**OFF_POLICY_CASE, "engine": "CrossQUpdate", "param_atol": 1e-2, "predict_atol": 1e-6}
 
 
 BATCH_NORM = {**OFF_POLICY_SMALL, "policy_kwargs": dict(net_arch=[32, 32], features_extractor_class=BatchNormExtractor)}
@@ -306,6 +322,22 @@ CASES = [
     AlgoCase(
         "a2c-gsde", A2C, stable_baselines3.A2C, PENDULUM_ENV, {**SEEDED_A2C, "use_sde": True, "use_rms_prop": False},
         updater_engine, "AutogradA2CUpdate", **A2C_BOX,
+    ),
+    AlgoCase(
+        "trpo", TRPO, sb3_contrib.TRPO, PPO_ENV, SEEDED_TRPO, updater_engine, "HandDerivedTRPOUpdate", every_space=True,
+        **TRPO_TOLERANCE, **PPO_BUFFER,
+    ),
+    AlgoCase(
+        "trpo-box", TRPO, sb3_contrib.TRPO, PENDULUM_ENV, {**SEEDED_TRPO, "sub_sampling_factor": 2}, updater_engine,
+        "HandDerivedTRPOUpdate", **{**A2C_BOX, **TRPO_TOLERANCE},
+    ),
+    AlgoCase(
+        "trpo-gsde", TRPO, sb3_contrib.TRPO, PENDULUM_ENV, {**SEEDED_TRPO, "use_sde": True}, updater_engine,
+        "StockTRPOUpdate", **A2C_BOX,
+    ),
+    AlgoCase(
+        "trpo-stock-train", TRPO, sb3_contrib.TRPO, PPO_ENV, SEEDED_TRPO, updater_engine, "StockTRPOUpdate",
+        ours_kwargs=dict(fast_update=False), **PPO_BUFFER,
     ),
     AlgoCase(
         "ppo-cnn", PPO, stable_baselines3.PPO, image_env(Discrete(3)), {**SEEDED_PPO, "policy_kwargs": dict(net_arch=[16])},
@@ -376,6 +408,16 @@ CASES = [
     AlgoCase(
         "tqc-gsde", TQC, sb3_contrib.TQC, PENDULUM_ENV, {**TQC_SMALL, "use_sde": True},
         **{**SAC_CASE, "engine": "AutogradSACUpdate"},
+    ),
+    AlgoCase("crossq", CrossQ, sb3_contrib.CrossQ, seeded_envs("Pendulum-v1", 1, 3), CROSSQ_SMALL, **CROSSQ_CASE),
+    AlgoCase(
+        "crossq-fixed-ent-coef-4envs", CrossQ, sb3_contrib.CrossQ, PENDULUM_ENV,
+        {**CROSSQ_SMALL, "ent_coef": 0.1, "policy_delay": 4},
+        **CROSSQ_CASE,
+    ),
+    AlgoCase(
+        "crossq-gsde", CrossQ, sb3_contrib.CrossQ, PENDULUM_ENV, {**CROSSQ_SMALL, "use_sde": True},
+        **{**CROSSQ_CASE, "engine": "StockCrossQUpdate"},
     ),
     AlgoCase(
         "sac-her", SAC, stable_baselines3.SAC, bit_flipping_envs(continuous=True, n_envs=2), {**OFF_POLICY_SMALL, **HER},

@@ -145,11 +145,11 @@ def test_missing_env_section(tmp_path):
         read_hyperparams("ppo", "CartPole-v0", path)
 
 
-OFF_POLICY = ("sac", "td3", "ddpg")
+OFF_POLICY = ("sac", "td3", "ddpg", "crossq")
 
 
 def test_bundled_off_policy_files_hold_the_rl_zoo_values():
-    """sac/td3/ddpg.yml: the Zoo's sections for installed envs, MuJoCo -v5 with the Zoo's -v4 values."""
+    """sac/td3/ddpg/crossq.yml: the Zoo's sections for installed envs, MuJoCo -v5 with the Zoo's -v4 values."""
     zoo_dir = rl_zoo_hyperparams_dir()
     if zoo_dir is None:
         pytest.skip("rl_zoo3 is not installed")
@@ -167,6 +167,7 @@ def test_bundled_files_cover_the_required_envs():
         "ppo": ["CartPole-v1", "Acrobot-v1", "MountainCar-v0", "LunarLander-v3", "Pendulum-v1", "HalfCheetah-v5"],
         "dqn": ["CartPole-v1", "Acrobot-v1", "MountainCar-v0", "LunarLander-v3"],
         "ppo_lstm": ["CartPoleNoVel-v1"],
+        "trpo": ["CartPole-v1", "Pendulum-v1", "LunarLander-v3", "BipedalWalker-v3"],
         **{algo: ["Pendulum-v1", "LunarLanderContinuous-v3", "BipedalWalker-v3", "HalfCheetah-v5"] for algo in OFF_POLICY},
     }
     for algo, envs in required.items():

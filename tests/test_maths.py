@@ -1,6 +1,7 @@
 """The hand-derived gradients of docs/maths.md, each against autograd on small random inputs."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch as th
@@ -12,12 +13,17 @@ from stable_baselines3.common.distributions import (
     DiagGaussianDistribution,
     MultiCategoricalDistribution,
 )
+from sb3_contrib import TRPO
+from stable_baselines3.common.distributions import kl_divergence
+from stable_baselines3.common.policies import ActorCriticPolicy
 from stable_baselines3.dqn.policies import DQNPolicy
 
-from sb3_speedups.common.nn.heads import BernoulliHead, CategoricalHead, DiagGaussianHead
+from sb3_speedups.common.nn.actor_critic_mlp import ActorCriticMlp
+from sb3_speedups.common.nn.heads import BernoulliHead, CategoricalHead, DiagGaussianHead, make_head
 from sb3_speedups.common.nn.flat import FlatParameters
 from sb3_speedups.dqn.update import HandDerivedQUpdate, huber_
 from sb3_speedups.qrdqn.head import QuantileHead
+from sb3_speedups.trpo.natural_gradient import FisherVectorProduct, make_output_fisher
 
 N = 29  # rows of a minibatch
 
@@ -191,3 +197,80 @@ def test_tqc_quantile_huber_gradient_equals_autograd(n_critics, n_quantiles, dro
     for p, g in zip(policy.critic.parameters(), grads, strict=True):
         th.testing.assert_close(critics.flat.grad_of(p), g, rtol=1e-5, atol=1e-7)
     th.testing.assert_close(loss, expected.detach())
+
+
+@pytest.mark.parametrize("renorm", [False, True], ids=["warmup", "renorm"])
+@pytest.mark.parametrize("affine", [True, False])
+def test_crossq_batch_renorm_gradient_equals_autograd(renorm, affine):
+    # BatchRenormTraining's backward (input, scale and bias gradients) against autograd through sb3-contrib's
+    # BatchRenorm1d in training mode, in float64 (the variance summed in another order is rounding only); after warm-up
+    # with running statistics that clamp some corrections r and d and leave others inside their bounds
+    from sb3_contrib.common.torch_layers import BatchRenorm1d
+
+    from sb3_speedups.crossq.batch_renorm import RenormCounts, batch_renorm
+
+    gen = th.Generator().manual_seed(0)
+    stock = BatchRenorm1d(6, affine=affine, warmup_steps=3).double()
+    with th.no_grad():
+        stock.steps.fill_(4 if renorm else 0)
+        stock.ra_mean.copy_(th.tensor([0.0, 1.0, -1.0, 20.0, 0.5, 0.0]))
+        stock.ra_var.copy_(th.tensor([1.0, 0.04, 4.0, 1.0, 100.0, 1.0]))
+        stock.scale.uniform_(0.5, 1.5, generator=gen)
+        stock.bias.normal_(generator=gen)
+    ours = copy.deepcopy(stock)
+    x = (th.randn(N, 6, generator=gen, dtype=th.float64) * 2 + 0.5).requires_grad_(True)
+    upstream = th.randn(N, 6, generator=gen, dtype=th.float64)
+    n = 3 if affine else 1  # x, and the affine layer's scale and bias
+    expected = th.autograd.grad((stock(x) * upstream).sum(), [x, stock.scale, stock.bias][:n])
+    got = th.autograd.grad((batch_renorm(ours, x, True, RenormCounts(ours)) * upstream).sum(), [x, ours.scale, ours.bias][:n])
+    for g, e in zip(got, expected, strict=True):
+        th.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+
+
+TRPO_ACTION_SPACES = {
+    "discrete": spaces.Discrete(4),
+    "multidiscrete": spaces.MultiDiscrete([3, 2, 4]),
+    "multibinary": spaces.MultiBinary(3),
+    "box": spaces.Box(-1.0, 1.0, (2,)),
+}
+
+
+@pytest.mark.parametrize("action_space", TRPO_ACTION_SPACES)
+@pytest.mark.parametrize(
+    "observation_space, net_arch, activation",
+    [
+        (spaces.Box(-2.0, 2.0, (5,)), [16, 16], th.nn.Tanh),
+        (spaces.Box(-2.0, 2.0, (5,)), [8], th.nn.ReLU),
+        (spaces.Discrete(6), [8], th.nn.Tanh),  # one-hot input: the first layer's tangent is a gather
+        (spaces.Box(-2.0, 2.0, (5,)), [], th.nn.Tanh),  # no hidden layers: no tangent through the chain
+    ],
+)
+def test_trpo_fisher_vector_product_equals_kl_hessian(action_space, observation_space, net_arch, activation):
+    # H v of the mean KL at the rollout's parameters, by a tangent pass + backward, against sb3-contrib's double
+    # backward (TRPO.hessian_vector_product), damping included
+    th.manual_seed(0)
+    arch = dict(pi=net_arch, vf=[8])
+    kwargs = dict(net_arch=arch, activation_fn=activation, log_std_init=-0.3)
+    policy = ActorCriticPolicy(observation_space, TRPO_ACTION_SPACES[action_space], lambda _: 1e-3, **kwargs)
+    stock = copy.deepcopy(policy)
+    obs = th.stack([th.as_tensor(observation_space.sample()) for _ in range(N)])
+    actor = [p for name, p in stock.named_parameters() if "value" not in name]
+    v = th.randn(sum(p.numel() for p in actor))
+    damping = 0.1
+
+    with th.no_grad():  # first, as stock: get_distribution fills and returns the policy's one distribution object
+        old = copy.copy(stock.get_distribution(obs))
+    dist = stock.get_distribution(obs)
+    kl = kl_divergence(dist, old).mean()
+    grad_kl = th.cat([g.reshape(-1) for g in th.autograd.grad(kl, actor, create_graph=True)])
+    expected = TRPO.hessian_vector_product(SimpleNamespace(cg_damping=damping), actor, grad_kl, v)
+
+    net = ActorCriticMlp(policy, split=True, shared=False)
+    head = make_head(policy.action_dist, policy.action_space)
+    fisher = make_output_fisher(head)
+    with th.no_grad():
+        x = net.inputs(obs)
+        fisher.set_old(net.forward_part(x, 0), net.log_std)
+        ours = FisherVectorProduct(net, fisher, slice(0, v.numel()), damping, N)(v)
+    # the two sum the same products in other orders and groupings (float32): 1e-5 of the largest entry
+    th.testing.assert_close(ours, expected.detach(), rtol=1e-4, atol=1e-5 * float(expected.abs().max()))

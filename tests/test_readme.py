@@ -52,3 +52,8 @@ def test_readme_python_block_runs_without_warnings(index: int, tmp_path: Path):
     )
     assert result.returncode == 0, f"README block {index} failed:\n{code}\n--- stderr:\n{result.stderr}"
     assert result.stderr == "", f"README block {index} wrote to stderr:\n{result.stderr}"
+
+
+def test_readme_is_a_users_page_of_at_most_300_lines():
+    """The README stays a user's page: dated measurements and details live in docs/."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300

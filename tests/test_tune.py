@@ -139,7 +139,6 @@ def test_trial_seeds_objective_is_the_mean_and_a_failing_seed_fails_the_trial(tm
         (["--storage", "nosuchdb://host/db"], "cannot open storage"),
         (["--n-trials", "0"], "argument --n-trials: expected an integer >= 1, got 0"),
         (["-n", "100"], "less than the smallest rollout (n_steps 16 x 8 envs)"),
-        (["--algo", "trpo"], "nothing to tune"),
     ],
 )
 def test_bad_settings_fail_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, extra: list, message: str) -> None:
@@ -313,3 +312,12 @@ def test_an_interrupt_that_python_swallowed_still_stops_the_trial_at_its_next_st
         clear_interrupt()
         signal.signal(signal.SIGINT, previous[0])
         signal.signal(signal.SIGTERM, previous[1])
+
+
+def test_a_space_without_parameters_fails_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # every registered algorithm has a built-in space: a file replacing it with fixed values only leaves nothing
+    space = tmp_path / "fixed.yml"
+    space.write_text("replace: true\nparams:\n  learning_rate: 0.001\n")
+    assert main(["tune", *FAST, "-f", str(tmp_path), "--search-space", str(space)]) == 2
+    err = capsys.readouterr().err
+    assert "nothing to tune" in err and len(err.strip().splitlines()) == 1

@@ -32,6 +32,8 @@ from sb3_speedups.zoo.train import TrainConfig, create_model, prepare_experiment
         ("sac", "Pendulum-v1"),
         ("td3", "Pendulum-v1"),
         ("ddpg", "Pendulum-v1"),
+        ("crossq", "Pendulum-v1"),
+        ("trpo", "CartPole-v1"),
     ],
 )
 def test_builtin_space_builds_valid_models(algo: str, env_id: str) -> None:
@@ -47,9 +49,9 @@ def test_builtin_space_builds_valid_models(algo: str, env_id: str) -> None:
         model = create_model(experiment, env)
         assert model.gamma == pytest.approx(hyperparams["gamma"])
         assert model.learning_rate == hyperparams["learning_rate"] or callable(model.learning_rate)
-        if algo in ("ppo", "ppo_lstm"):  # the minibatch never exceeds the rollout
+        if algo in ("ppo", "ppo_lstm", "trpo"):  # the minibatch never exceeds the rollout
             assert model.batch_size <= model.n_steps * env.num_envs
-        if algo in ("sac", "td3", "ddpg"):  # one gradient step per collected step, as the RL Zoo's samplers
+        if algo in ("sac", "td3", "ddpg", "crossq"):  # one gradient step per collected step, as the RL Zoo's samplers
             assert model.gradient_steps == model.train_freq.frequency
             noise = hyperparams.get("noise_type")
             assert (model.action_noise is None) == (noise is None), noise

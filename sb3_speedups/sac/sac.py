@@ -22,7 +22,7 @@ import stable_baselines3
 import torch as th
 
 from sb3_speedups.common.off_policy.algorithm import FastOffPolicyAlgorithm
-from sb3_speedups.common.off_policy.training import mean_of, minibatches, split_minibatches
+from sb3_speedups.common.off_policy.training import minibatches, split_minibatches
 from sb3_speedups.common.torch_utils import num_threads_during, update_num_threads
 from sb3_speedups.errors import UserValueError
 from sb3_speedups.sac.critic_loss import MinCriticLoss, SoftCriticLoss
@@ -45,6 +45,22 @@ def check_ent_coef(ent_coef: Any) -> None:
         raise UserValueError(
             f"ent_coef={ent_coef!r} is invalid: use 'auto', 'auto_<initial value>' (e.g. 'auto_0.1') or a number"
         ) from None
+
+
+def begin_soft_train(model: Any) -> SACStepLosses:
+    """
+    What stock's ``train()`` of SAC, TQC and CrossQ does first: training mode on, the learning rates of this progress
+    set (actor, critics and a learned entropy coefficient).
+
+    :param model: the model
+    :return: the empty per-step values to fill
+    """
+    model._set_training_mode(True)
+    optimizers = [model.actor.optimizer, model.critic.optimizer]
+    if model.ent_coef_optimizer is not None:
+        optimizers.append(model.ent_coef_optimizer)
+    model._update_learning_rate(optimizers)
+    return SACStepLosses([], [], [], [])
 
 
 class SACTraining(FastOffPolicyAlgorithm):
@@ -82,12 +98,7 @@ class SACTraining(FastOffPolicyAlgorithm):
         """Stock's SAC gradient steps (the same updates), hand-derived where the networks allow, else through autograd."""
         speed = self._ensure_speedups()
         updater = speed.updater
-        self._set_training_mode(True)
-        optimizers = [self.actor.optimizer, self.critic.optimizer]
-        if self.ent_coef_optimizer is not None:
-            optimizers.append(self.ent_coef_optimizer)
-        self._update_learning_rate(optimizers)
-        losses = SACStepLosses([], [], [], [])
+        losses = begin_soft_train(self)
         threads = update_num_threads(batch_size * speed.largest_linear, self.num_threads, self.device)
         interval = self.target_update_interval
         if isinstance(updater, AutogradSACUpdate):
@@ -101,12 +112,7 @@ class SACTraining(FastOffPolicyAlgorithm):
                     for k in range(batches.rewards.shape[0]):
                         updater.step(batches, k, (first + k) % interval == 0, self.tau, losses)
         self._n_updates += gradient_steps
-        self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
-        self.logger.record("train/ent_coef", mean_of(losses.ent_coef))
-        self.logger.record("train/actor_loss", mean_of(losses.actor))
-        self.logger.record("train/critic_loss", mean_of(losses.critic))
-        if losses.ent_coef_loss:
-            self.logger.record("train/ent_coef_loss", mean_of(losses.ent_coef_loss))
+        losses.record(self.logger, self._n_updates)
         return None
 
 

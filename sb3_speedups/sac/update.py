@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch as th
+from stable_baselines3.common.logger import Logger
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
 from sb3_speedups.common.nn.flat import FlatParameters
@@ -38,6 +39,7 @@ from sb3_speedups.common.off_policy.critics import (
     without_weight_gradients,
 )
 from sb3_speedups.common.off_policy.batches import OffPolicyBatches
+from sb3_speedups.common.off_policy.training import mean_of
 from sb3_speedups.sac.critic_loss import MinCriticLoss, SoftCriticLoss
 from sb3_speedups.sac.squashed_gaussian import sample_squashed, squashed_backward
 
@@ -66,6 +68,22 @@ def sac_unsupported_reason(policy: Any, use_sde: bool, loss: SoftCriticLoss | No
     return actor_and_critic_training_reason(actor, policy.critic, loss.critic_class)
 
 
+def autograd_ent_coef_step(
+    log_ent_coef: th.Tensor, optimizer: th.optim.Optimizer, log_prob: th.Tensor, target_entropy: float
+) -> th.Tensor:
+    """
+    One step of the learned entropy coefficient on stock's loss ``-mean(log_ent_coef * (log_prob + target_entropy))``
+    through autograd (SAC's and CrossQ's autograd updates).
+
+    :return: the loss (detached)
+    """
+    loss = -(log_ent_coef * (log_prob + target_entropy).detach()).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
 @dataclass
 class SACStepLosses:
     """Per gradient step values of one ``train()`` call, kept as tensors (read once at its end)."""
@@ -74,6 +92,23 @@ class SACStepLosses:
     critic: list[th.Tensor]
     ent_coef: list[th.Tensor]
     ent_coef_loss: list[th.Tensor]
+
+    def record(self, logger: Logger, n_updates: int, delayed_actor: bool = False) -> None:
+        """
+        Record what stock's ``train()`` records after its steps (SAC's, TQC's, CrossQ's).
+
+        :param logger: the model's logger
+        :param n_updates: the model's update count
+        :param delayed_actor: the actor does not step every time (CrossQ's ``policy_delay``): its loss is recorded only
+            when it stepped, as stock does
+        """
+        logger.record("train/n_updates", n_updates, exclude="tensorboard")
+        logger.record("train/ent_coef", mean_of(self.ent_coef))
+        if self.actor or not delayed_actor:
+            logger.record("train/actor_loss", mean_of(self.actor))
+        logger.record("train/critic_loss", mean_of(self.critic))
+        if self.ent_coef_loss:
+            logger.record("train/ent_coef_loss", mean_of(self.ent_coef_loss))
 
 
 class HandDerivedSACUpdate:
@@ -231,12 +266,10 @@ class AutogradSACUpdate:
             losses.ent_coef.append(self.fixed_ent_coef)
             return self.fixed_ent_coef
         ent_coef = th.exp(self.log_ent_coef.detach())
-        loss = -(self.log_ent_coef * (log_prob + self.target_entropy).detach()).mean()
         losses.ent_coef.append(ent_coef)
-        losses.ent_coef_loss.append(loss.detach())
-        self.ent_coef_optimizer.zero_grad()
-        loss.backward()
-        self.ent_coef_optimizer.step()
+        losses.ent_coef_loss.append(
+            autograd_ent_coef_step(self.log_ent_coef, self.ent_coef_optimizer, log_prob, self.target_entropy)
+        )
         return ent_coef
 
     def step(self, data: ReplayBufferSamples, gamma: float, update_target: bool, tau: float, losses: SACStepLosses) -> None:

@@ -108,6 +108,26 @@ def a2c_space(algo_cls: type, hyperparams: dict[str, Any]) -> SearchSpace:
     return SearchSpace(params)
 
 
+def trpo_space(algo_cls: type, hyperparams: dict[str, Any]) -> SearchSpace:
+    """
+    :param algo_cls: the TRPO class that will be trained
+    :param hyperparams: the YAML section (for the policy)
+    :return: the built-in TRPO space (the RL Zoo's TRPO ranges: the critic's minibatches and epochs, CG, trust region)
+    """
+    params = _params(
+        Param("n_steps", choices=(128, 256, 512, 1024, 2048)),
+        Param("batch_size", choices=(32, 64, 128, 256, 512)),
+        Param("learning_rate", low=1e-5, high=3e-3, log=True),
+        Param("n_critic_updates", choices=(5, 10, 20, 25, 30)),
+        Param("cg_max_steps", choices=(5, 10, 20, 25, 30)),
+        Param("target_kl", choices=(0.1, 0.05, 0.03, 0.02, 0.01, 0.005, 0.001)),
+        Param("policy_kwargs.net_arch", choices=("64x64", "128x128", "256x256")),
+        Param("policy_kwargs.activation_fn", choices=("Tanh", "ReLU")),
+    )
+    params.update(gae_params(algo_cls))
+    return SearchSpace(params, constraints=[_limit_minibatch])
+
+
 def dqn_space(algo_cls: type, hyperparams: dict[str, Any]) -> SearchSpace:
     """
     :param algo_cls: the DQN class that will be trained
@@ -210,6 +230,40 @@ def tqc_space(algo_cls: type, hyperparams: dict[str, Any]) -> SearchSpace:
         )
     )
     return SearchSpace(params, constraints=[*space.constraints, _keep_a_quantile])
+
+
+def crossq_space(algo_cls: type, hyperparams: dict[str, Any]) -> SearchSpace:
+    """
+    :param algo_cls: the CrossQ class that will be trained
+    :param hyperparams: the YAML section (for the policy)
+    :return: the SAC space without the polyak coefficient (CrossQ has no target networks) plus its delayed policy
+        updates
+    """
+    params = {name: param for name, param in _continuous_control_params().items() if name != "tau"}
+    params.update(_params(Param("policy_delay", choices=(1, 2, 3, 5))))
+    return SearchSpace(params, constraints=[_one_update_per_step])
+
+
+def ars_space(algo_cls: type, hyperparams: dict[str, Any]) -> SearchSpace:
+    """
+    :param algo_cls: the ARS class that will be trained
+    :param hyperparams: the YAML section
+    :return: the RL Zoo's ARS space: perturbations per update, the top ones kept, step size and noise scale
+    """
+    params = _params(
+        Param("n_delta", choices=(4, 8, 16, 32, 64)),
+        Param("n_top", choices=(1, 2, 4, 8, 16, 32, 64)),
+        Param("learning_rate", low=1e-5, high=1.0, log=True),
+        Param("delta_std", choices=(0.01, 0.02, 0.025, 0.03, 0.05, 0.1, 0.2, 0.3)),
+    )
+    return SearchSpace(params, constraints=[_top_within_deltas])
+
+
+def _top_within_deltas(hp: dict[str, Any]) -> None:
+    """ARS keeps at most ``n_delta`` perturbations (stock would warn and clip)."""
+    n_delta, n_top = hp.get("n_delta"), hp.get("n_top")
+    if isinstance(n_delta, int) and isinstance(n_top, int):
+        hp["n_top"] = min(n_top, n_delta)
 
 
 def _keep_a_quantile(hp: dict[str, Any]) -> None:

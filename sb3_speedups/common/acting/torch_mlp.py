@@ -57,8 +57,11 @@ class TorchMlp:
         return cls(mlp.map(mirror))
 
     def __call__(self, x: th.Tensor) -> th.Tensor:
-        """:return: the output ``[n, out]`` of inputs ``[n, in]`` or hot columns ``[n, k]`` (stacked: ``[G, n, out]``)"""
-        if self.groups:
+        """
+        :return: the output ``[n, out]`` of inputs ``[n, in]`` or hot columns ``[n, k]`` (stacked: ``[G, n, out]``, of
+            the same rows for every network, or of ``[G, n, in]``: each network's own rows)
+        """
+        if self.groups and x.dim() == 2:
             x = x.expand(self.groups, *x.shape)
         for affine, weight_t, bias, act in self._layers:
             x = affine(bias, x, weight_t)

@@ -68,9 +68,11 @@ class ActorCriticMlp:
     :param split: run the actor and the critic as two separate parts (:meth:`forward_part`, :meth:`backward_part`)
         that two processes can compute side by side: nothing stacked, and the flat buffers (in shared memory) laid
         out as :func:`~sb3_speedups.common.nn.actor_critic.split_layout`, the critic from :attr:`critic_start` on
+    :param shared: put the flat buffers in shared memory (default: ``split``); TRPO splits the parts to update them
+        apart, in one process and on any device
     """
 
-    def __init__(self, policy: ActorCriticPolicy, split: bool = False) -> None:
+    def __init__(self, policy: ActorCriticPolicy, split: bool = False, shared: bool | None = None) -> None:
         reason = mlp_unsupported_reason(policy)
         ac = parse_actor_critic(policy)
         heads = None if isinstance(ac, str) else ac.heads()
@@ -81,7 +83,8 @@ class ActorCriticMlp:
         self.inputs = ac.pi.inputs
         layout = split_layout(ac, policy) if split else flat_layout(ac, policy)
         critic = critic_parameters(ac)
-        self.flat = FlatParameters(list(policy.parameters()), layout, shared=split, aligned=critic[0] if split else None)
+        shared = split if shared is None else shared
+        self.flat = FlatParameters(list(policy.parameters()), layout, shared=shared, aligned=critic[0] if split else None)
         self.critic_start = self.flat.offset(critic[0]) if split else self.flat.data.numel()
         self.chains = (
             [MlpChain(self.flat, [ac.pi, ac.vf])]

@@ -250,6 +250,29 @@ class MlpChain:
         d_input = mm(d, self._weights_m[0][..., columns])
         return d_input.unsqueeze(0) if self.groups == 1 else d_input
 
+    def forward_tangent(self, n: int) -> th.Tensor | None:
+        """
+        Forward-mode derivative of the last forward of ``n`` rows along the parameter direction held in the gradient
+        buffer's views (TRPO's Fisher-vector product; ``docs/maths.md``, "TRPO Fisher-vector product"):
+        ``t_k = act'(z_k) * (dW_k h_{k-1} + db_k + W_k t_{k-1})``, with ``t_0``'s ``W_0 t_{-1}`` term absent.
+
+        :param n: the row count of the last forward (its kept activations are the linearisation point)
+        :return: the tangent of the last activations ``[G, n, out]``, written into the buffer :meth:`backward` takes
+            (:meth:`last_grad`), or ``None`` without layers (the input has no tangent)
+        """
+        if not self.weights:
+            return None
+        ws, given = self.ws[n], self._input
+        assert given is not None, "tangent before forward"
+        h = given.h_m
+        for k, affine in enumerate(self._affines):
+            t = affine(self._grad_biases_m[k].unsqueeze(-2), h, self._grad_weights_t_m[k], out=ws.grads_m[k])
+            if k > 0:
+                t.add_(self._mm(ws.grads_m[k - 1], self._weights_t_m[k]))
+            self._backward(t, ws.acts_m[k])
+            h = ws.acts_m[k]
+        return ws.grads[-1]
+
     @th.no_grad()
     def forward_one(self, x: th.Tensor, g: int) -> th.Tensor:
         """:return: the last activations of network ``g`` for ``x`` ``[n, in]`` (allocates; not for hot paths)"""

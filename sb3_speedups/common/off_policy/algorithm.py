@@ -68,6 +68,10 @@ class FastOffPolicyAlgorithm(FastModel, FrozenActorSampling, FastOffPolicyCollec
         """:return: the hand-derived update when ``reason`` is ``None``, else the autograd one"""
         raise NotImplementedError
 
+    def _make_frozen_actor(self, reason: str | None) -> FrozenOffPolicyActor | None:
+        """:return: the copy that acts during collection (with the hand-derived update), ``None`` for stock's acting"""
+        return FrozenOffPolicyActor(self.actor) if reason is None else None
+
     def _ensure_speedups(self) -> OffPolicySpeedups:
         speed = self._speedups
         if speed is not None and speed.updater.policy is self.policy and speed.updater.is_bound():
@@ -76,6 +80,6 @@ class FastOffPolicyAlgorithm(FastModel, FrozenActorSampling, FastOffPolicyCollec
         updater = self._make_updater(reason)
         if reason is not None and self.verbose >= 1:
             print(f"sb3_speedups {type(self).__name__}: using the autograd update ({reason})")
-        actor = FrozenOffPolicyActor(self.actor) if reason is None else None
+        actor = self._make_frozen_actor(reason)
         self._speedups = OffPolicySpeedups(updater, reason, largest_linear(self.actor, self.critic), actor)
         return self._speedups

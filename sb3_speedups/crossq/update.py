@@ -1,0 +1,181 @@
+"""
+CrossQ's gradient step (``sb3_contrib.CrossQ.train``'s loop body) for MLP policies on flat ``Box`` observations: stock's
+losses through autograd, except where a hand-derived gradient pays:
+
+- the training-mode ``BatchRenorm1d`` layers (the critics' joint forward of ``2 * batch_size`` rows, the actor's
+  delayed forward) are one autograd node each with a hand-derived backward
+  (:class:`~sb3_speedups.crossq.batch_renorm.BatchRenormTraining`: a cheaper batch variance, a fused output, a third of
+  autograd's passes over the block), no ``steps`` read per forward, no ``set_bn_training_mode`` walks;
+- one flat fused Adam per network (:class:`~sb3_speedups.common.nn.optim.FlatOptimizerStep`);
+- the actor loss back-propagates through the critics to the actions only (stock also computes the critics' weight
+  gradients there, which the next critic step zeroes);
+- no host sync: the losses are kept as tensors and read once per ``train()``.
+
+The matrix products (most of the rest) are what autograd runs anyway, so the Linear layers, the evaluation-mode
+layers and the squashed Gaussian stay on autograd (measured: docs/benchmarks.md). Everything else (non-``Box``
+observations, gSDE, custom networks) runs stock's ``train()`` (:class:`StockCrossQUpdate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch as th
+from gymnasium import spaces
+from sb3_contrib.common.torch_layers import BatchRenorm1d
+from sb3_contrib.crossq.policies import Actor, CrossQCritic
+from stable_baselines3.common.torch_layers import FlattenExtractor
+from stable_baselines3.common.type_aliases import ReplayBufferSamples
+from torch import nn
+
+from sb3_speedups.common.nn.optim import FlatOptimizerStep
+from sb3_speedups.common.off_policy.critics import parameters_only_in, without_weight_gradients
+from sb3_speedups.crossq.batch_renorm import RenormCounts, run_sequential
+from sb3_speedups.sac.critic_loss import MinCriticLoss
+from sb3_speedups.sac.update import SACStepLosses, autograd_ent_coef_step
+
+# sb3-contrib's bounds on CrossQ's log standard deviation
+_LOG_STD_MIN, _LOG_STD_MAX = -20.0, 2.0
+
+
+def _layers_reason(net: nn.Module, name: str) -> str | None:
+    if type(net) is not nn.Sequential:
+        return f"{name} is not an nn.Sequential"
+    for layer in net:
+        if type(layer) in (nn.Linear, BatchRenorm1d):
+            continue
+        if any(True for _ in layer.parameters()) or list(layer.buffers()):
+            return f"{name} has a {type(layer).__name__} layer"
+    return None
+
+
+def crossq_unsupported_reason(policy: Any, use_sde: bool) -> str | None:
+    """:return: why :class:`CrossQUpdate` cannot run ``policy`` (so stock's ``train()`` does), or ``None``"""
+    if use_sde:
+        return "gSDE"
+    actor, critic = policy.actor, policy.critic
+    if type(actor) is not Actor or type(critic) is not CrossQCritic:
+        return "custom actor or critic"
+    if not isinstance(policy.observation_space, spaces.Box):
+        return f"{type(policy.observation_space).__name__} observations"
+    for net in (actor, critic):
+        if type(net.features_extractor) is not FlattenExtractor:
+            return f"features extractor {type(net.features_extractor).__name__}"
+    if type(actor.mu) is not nn.Linear or type(actor.log_std) is not nn.Linear:
+        return "actor heads are not Linear layers"
+    nets = [(actor.latent_pi, "actor"), *((q, f"critic {i}") for i, q in enumerate(critic.q_networks))]
+    for net, name in nets:
+        reason = _layers_reason(net, name)
+        if reason is not None:
+            return reason
+    return None
+
+
+@dataclass
+class StockCrossQUpdate:
+    """The fallback: sb3-contrib's own ``train()`` runs (the models :func:`crossq_unsupported_reason` refuses)."""
+
+    policy: Any
+
+    def is_bound(self) -> bool:
+        """:return: always (stock's ``train()`` takes the policy's optimizers as they are)"""
+        return True
+
+
+class CrossQUpdate:
+    """
+    CrossQ's gradient step (check :func:`crossq_unsupported_reason` first). Building it moves the actor's and the
+    critics' parameters into flat buffers.
+
+    :param policy: the CrossQ policy
+    :param log_ent_coef: the learned log entropy coefficient, or ``None`` when it is fixed
+    :param ent_coef_optimizer: its Adam (with ``log_ent_coef``)
+    :param ent_coef: the fixed entropy coefficient (a 0-dim tensor), when not learned
+    :param target_entropy: the entropy target of the learned coefficient
+    """
+
+    def __init__(
+        self,
+        policy: Any,
+        log_ent_coef: th.Tensor | None,
+        ent_coef_optimizer: th.optim.Optimizer | None,
+        ent_coef: th.Tensor | None,
+        target_entropy: float,
+    ) -> None:
+        self.policy = policy
+        self.actor_step = FlatOptimizerStep(policy.actor, policy.actor.optimizer)
+        self.critic_step = FlatOptimizerStep(policy.critic, policy.critic.optimizer)
+        self.critic_only = parameters_only_in(policy.critic, policy.actor)
+        self.log_ent_coef, self.ent_coef_optimizer = log_ent_coef, ent_coef_optimizer
+        self.fixed_ent_coef, self.target_entropy = ent_coef, target_entropy
+        self.loss = MinCriticLoss()
+
+    def is_bound(self) -> bool:
+        """:return: whether the optimizers are still the policy's and their state lives in the flat buffers"""
+        actor, critic = self.policy.actor, self.policy.critic
+        return self.actor_step.is_bound(actor.optimizer) and self.critic_step.is_bound(critic.optimizer)
+
+    def counts(self) -> RenormCounts:
+        """:return: the batch-renormalisation layers' step counts, read now (once per ``train()``)"""
+        return RenormCounts(self.policy.actor, self.policy.critic)
+
+    def _actor(self, obs: th.Tensor, training: bool, counts: RenormCounts) -> tuple[th.Tensor, th.Tensor]:
+        """:return: ``actor.action_log_prob(obs)`` with the layers in training (``training``) or evaluation mode"""
+        actor = self.policy.actor
+        latent = run_sequential(actor.latent_pi, actor.extract_features(obs, actor.features_extractor), training, counts)
+        log_std = th.clamp(actor.log_std(latent), _LOG_STD_MIN, _LOG_STD_MAX)
+        return actor.action_dist.log_prob_from_params(actor.mu(latent), log_std)
+
+    def _critics(self, obs: th.Tensor, actions: th.Tensor, training: bool, counts: RenormCounts) -> list[th.Tensor]:
+        """:return: ``critic(obs, actions)`` with the layers in training (``training``) or evaluation mode"""
+        critic = self.policy.critic
+        with th.no_grad():  # a flattened Box: nothing to train in the features
+            features = critic.extract_features(obs, critic.features_extractor)
+        x = th.cat([features, actions], dim=1)
+        return [run_sequential(q, x, training, counts) for q in critic.q_networks]
+
+    def step(
+        self, data: ReplayBufferSamples, gamma: float, update_actor: bool, counts: RenormCounts, losses: SACStepLosses
+    ) -> None:
+        """
+        One gradient step of ``CrossQ.train`` on one minibatch.
+
+        :param data: the minibatch
+        :param gamma: the discount when the minibatch has none (n-step buffers give one per row)
+        :param update_actor: a delayed policy update follows the critics' step (``_n_updates % policy_delay == 0``)
+        :param counts: the layers' step counts of this ``train()`` call
+        :param losses: where to keep this step's losses
+        """
+        b = data.observations.shape[0]
+        discounts = data.discounts if data.discounts is not None else gamma
+        ent_coef = th.exp(self.log_ent_coef.detach()) if self.log_ent_coef is not None else self.fixed_ent_coef
+        assert ent_coef is not None
+        losses.ent_coef.append(ent_coef)
+        with th.no_grad():
+            next_actions, next_log_prob = self._actor(data.next_observations, False, counts)
+        # the joint forward: the batch statistics are those of the mixture of (s, a) and (s', a')
+        all_q = self._critics(
+            th.cat([data.observations, data.next_observations]), th.cat([data.actions, next_actions]), True, counts
+        )
+        with th.no_grad():
+            next_q = self.loss.autograd_target_values([q[b:] for q in all_q]) - ent_coef * next_log_prob.reshape(-1, 1)
+            target = data.rewards + (1 - data.dones) * discounts * next_q
+        critic_loss = self.loss.autograd_loss([q[:b] for q in all_q], target)
+        losses.critic.append(critic_loss.detach())
+        self.critic_step.backward(critic_loss)
+        self.critic_step.step()
+        if not update_actor:
+            return
+        actions_pi, log_prob = self._actor(data.observations, True, counts)
+        log_prob = log_prob.reshape(-1, 1)
+        if self.log_ent_coef is not None and self.ent_coef_optimizer is not None:
+            losses.ent_coef_loss.append(
+                autograd_ent_coef_step(self.log_ent_coef, self.ent_coef_optimizer, log_prob, self.target_entropy)
+            )
+        with without_weight_gradients(self.critic_only):
+            value = self.loss.autograd_actor_values(self._critics(data.observations, actions_pi, False, counts))
+            actor_loss = (ent_coef * log_prob - value).mean()
+            losses.actor.append(actor_loss.detach())
+            self.actor_step.backward(actor_loss)
+        self.actor_step.step()
