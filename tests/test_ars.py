@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import json
 import zipfile
 from pathlib import Path
@@ -56,8 +58,18 @@ def candidate_weights(model: ARS, scale: float, seed: int) -> th.Tensor:
 
 
 def evaluate(model: ARS, weights: th.Tensor) -> th.Tensor:
+    """:return: the candidates' returns, evaluated outside ``learn()`` (the test closes the candidates' VecEnv)"""
     _, callback = model._setup_learn(10_000, None)
     return model.evaluate_candidates(weights, callback, None)
+
+
+@pytest.fixture
+def opened() -> Iterator[list[ARS]]:
+    """Models the test evaluates outside ``learn()``: their candidates' VecEnv is closed after it (no descriptor left)."""
+    models: list[ARS] = []
+    yield models
+    for model in models:
+        model._close_speedups()
 
 
 @pytest.mark.parametrize(
@@ -69,7 +81,7 @@ def evaluate(model: ARS, weights: th.Tensor) -> th.Tensor:
     ],
 )
 @pytest.mark.parametrize("candidate_vec_env", ["default", "dummy"])
-def test_batched_evaluation_equals_each_candidate_alone(env_id, policy, kwargs, candidate_vec_env) -> None:
+def test_batched_evaluation_equals_each_candidate_alone(env_id, policy, kwargs, candidate_vec_env, opened) -> None:
     """
     All candidates at once give each candidate the returns stock's evaluate_policy gives it alone (fixed start state).
     CartPole: exactly (an action flips only if a logit pair ties within float32 rounding). Pendulum: numpy's batched
@@ -84,6 +96,7 @@ def test_batched_evaluation_equals_each_candidate_alone(env_id, policy, kwargs, 
     model = ARS(
         policy, DummyVecEnv([lambda: fixed_start_env(env_id)]), n_delta=3, seed=0, zero_policy=False, **kwargs, **extra
     )
+    opened.append(model)
     weights = candidate_weights(model, 2.0, seed=2)
     returns = evaluate(model, weights)
     speed = model._speedups
@@ -219,10 +232,11 @@ def test_other_vec_env_wrappers_fall_back() -> None:
     assert model._speedups.sequential_reason == "the training env is wrapped in VecFrameStack"
 
 
-def test_observation_statistics_count_what_stock_counts() -> None:
+def test_observation_statistics_count_what_stock_counts(opened) -> None:
     """VecNormalize's statistics take each candidate's reset observation and every step's, as stock's evaluation."""
     env = VecNormalize(DummyVecEnv([lambda: fixed_start_env("Pendulum-v1")]))
     model = ARS("MlpPolicy", env, n_delta=2, n_eval_episodes=2, seed=0, zero_policy=False)
+    opened.append(model)
     before, returns_before = env.obs_rms.count, env.ret_rms.count
     evaluate(model, candidate_weights(model, 0.1, seed=0))
     assert model._speedups.normalization is not None

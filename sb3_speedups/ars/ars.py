@@ -43,6 +43,8 @@ class ARSSpeedups:
     sequential_reason: str | None
     monitor: bool
     normalization: ObsNormalization | None
+    #: ``env`` was closed at the end of a ``learn()`` call (the next evaluation makes the state again)
+    env_closed: bool = False
 
 
 class ARS(FastModel, sb3_contrib.ARS):
@@ -67,7 +69,8 @@ class ARS(FastModel, sb3_contrib.ARS):
     step), timesteps and callbacks are counted as stock counts them, and the update is stock's (its code, its draws of
     the perturbations). Stock's episodes start from the training env's resets, one candidate after the other; ours
     from the resets of the candidates' own envs (seeded with the model's seed), so the envs' random draws differ.
-    The candidate env options are not saved: pass them again to ``load`` if they are not the defaults.
+    The candidates' VecEnv lives for one ``learn()`` call. The candidate env options are not saved: pass them again to
+    ``load`` if they are not the defaults.
 
     :param envs_per_candidate: envs each candidate runs its ``n_eval_episodes`` episodes on, at most
         ``n_eval_episodes`` (env ``j`` runs ``(n_eval_episodes + j) // envs_per_candidate``, as ``evaluate_policy``)
@@ -122,13 +125,28 @@ class ARS(FastModel, sb3_contrib.ARS):
     def _close_speedups(self) -> None:
         speed = self._speedups
         self._speedups = None
-        if isinstance(speed, ARSSpeedups) and speed.env is not None:
+        if isinstance(speed, ARSSpeedups) and speed.env is not None and not speed.env_closed:
             speed.env.close()
+
+    def learn(self, *args: Any, **kwargs: Any) -> Any:
+        """sb3-contrib's ``learn``; the candidates' VecEnv (its processes, its shared memory) is closed when it ends."""
+        try:
+            return super().learn(*args, **kwargs)
+        finally:
+            speed = self._speedups
+            if isinstance(speed, ARSSpeedups) and speed.env is not None and not speed.env_closed:
+                speed.env.close()
+                speed.env_closed = True
 
     def _ensure_speedups(self) -> ARSSpeedups:
         speed = self._speedups
         assert self.env is not None
-        if isinstance(speed, ARSSpeedups) and speed.training_env is self.env and speed.policies.policy is self.policy:
+        if (
+            isinstance(speed, ARSSpeedups)
+            and speed.training_env is self.env
+            and speed.policies.policy is self.policy
+            and not speed.env_closed
+        ):
             return speed
         self._close_speedups()
         recipe: EnvRecipe | str | None = None if self.candidate_env is not None else env_recipe(self.env)
@@ -142,7 +160,8 @@ class ARS(FastModel, sb3_contrib.ARS):
                 n_envs, self.env, recipe, self.candidate_env, self.candidate_vec_env_cls, self.candidate_vec_env_kwargs
             )
             if self.seed is not None:
-                env.seed(self.seed)
+                # a later learn() call makes the envs again: its episodes start from other resets than the first's
+                env.seed(self.seed + self._n_updates)
             monitor = is_monitor_wrapped(env)
             vec_normalize = self._vec_normalize_env
             normalization = None if vec_normalize is None else ObsNormalization(vec_normalize, n_envs)
