@@ -221,3 +221,33 @@ def test_cli_trains_from_the_zoo_file(tmp_path: Path, conf: str) -> None:
     model = CrossQ.load(tmp_path / "crossq" / "Pendulum-v1_1" / "Pendulum-v1.zip")
     assert model.policy_delay == 2 and model._n_updates == 100
     assert sb3_contrib.CrossQ.load(tmp_path / "crossq" / "Pendulum-v1_1" / "Pendulum-v1.zip").num_timesteps == 200
+
+
+def test_frozen_actor_acts_as_stocks_predict() -> None:
+    """
+    Collection acts from a frozen copy of the actor whose batch-renormalisation layers run their evaluation forward
+    on copies of the running statistics: after training has moved those statistics, its actions for a seed are
+    stock's ``actor`` forward in evaluation mode, bit for bit (the same operations on the same shapes).
+    """
+    model = CrossQ("MlpPolicy", make_vec_env("Pendulum-v1", n_envs=2, seed=5), learning_starts=50, train_freq=25, seed=5)
+    model.learn(300)
+    frozen = model._speedups.actor
+    assert frozen is not None
+    renorm = [m for m in model.actor.modules() if isinstance(m, BatchRenorm1d)]
+    assert len(renorm) == 3 and all(bool((m.ra_var != 1).all()) for m in renorm)
+    frozen.sync()
+    obs = (2 * np.random.default_rng(0).normal(size=(7, 3))).astype(np.float32)
+    th.manual_seed(3)
+    ours = frozen(frozen.inputs(obs))
+    model.policy.set_training_mode(False)
+    th.manual_seed(3)
+    with th.no_grad():
+        stock = model.actor(th.as_tensor(obs), deterministic=False)
+    assert th.equal(ours, stock)
+    # the copy follows the statistics only when synced (collection syncs it before every rollout)
+    renorm[0].ra_mean += 1.0
+    th.manual_seed(3)
+    assert th.equal(frozen(frozen.inputs(obs)), ours)
+    frozen.sync()
+    th.manual_seed(3)
+    assert not th.equal(frozen(frozen.inputs(obs)), ours)

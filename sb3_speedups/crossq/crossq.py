@@ -4,7 +4,8 @@ whose statistics come from one joint forward of ``(s, a)`` and ``(s', a')``. Our
 our SAC, TD3 and TQC:
 
 - the lean collection loop (:class:`~sb3_speedups.common.off_policy.collection.FastOffPolicyCollection`), acting
-  with stock's ``policy.predict`` (the actor's layers in evaluation mode, their running statistics);
+  from a frozen copy of the actor whose ``BatchRenorm1d`` layers run their evaluation forward on copies of their
+  running statistics (:class:`~sb3_speedups.crossq.batch_renorm.EvalRenormMlp`: stock's ``predict``'s numbers);
 - ``train()`` samples its minibatches many at a time with stock's RNG draws
   (:func:`~sb3_speedups.common.off_policy.training.split_minibatches`);
 - each gradient step is :class:`~sb3_speedups.crossq.update.CrossQUpdate`: stock's losses through autograd with the
@@ -26,6 +27,7 @@ from sb3_speedups.common.off_policy.algorithm import FastOffPolicyAlgorithm
 from sb3_speedups.common.off_policy.training import split_minibatches
 from sb3_speedups.common.torch_utils import num_threads_during, update_num_threads
 from sb3_speedups.common.training_mode import PLAIN_SET_TRAINING_MODES
+from sb3_speedups.crossq.batch_renorm import EvalRenormMlp
 from sb3_speedups.crossq.update import CrossQUpdate, StockCrossQUpdate, crossq_unsupported_reason
 from sb3_speedups.sac.sac import begin_soft_train, check_ent_coef
 
@@ -56,8 +58,8 @@ class CrossQ(FastOffPolicyAlgorithm, sb3_contrib.CrossQ):
         return CrossQUpdate(self.policy, self.log_ent_coef, self.ent_coef_optimizer, ent_coef, float(self.target_entropy))
 
     def _make_frozen_actor(self, reason: str | None) -> FrozenOffPolicyActor | None:
-        # the actor's batch-renormalisation layers are not in the frozen copy's MLP description: stock acts
-        return None
+        # the actor's batch-renormalisation layers run their evaluation forward on the copies of their statistics
+        return FrozenOffPolicyActor(self.actor, EvalRenormMlp.from_module) if reason is None else None
 
     def train(self, gradient_steps: int, batch_size: int = 64) -> None:
         """Stock's CrossQ gradient steps (the same updates), with :class:`CrossQUpdate` where the networks allow."""

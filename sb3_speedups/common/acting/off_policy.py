@@ -11,6 +11,7 @@ not draw torch's Gaussian noise). What they save is
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
@@ -35,10 +36,18 @@ class FrozenOffPolicyActor:
     A copy of a stock SAC or TD3 ``Actor`` with an MLP on the observations' float rows (no gSDE), on the CPU.
 
     :param actor: the actor (its ``latent_pi``, ``mu`` and ``log_std`` for SAC; its ``mu`` for TD3)
+    :param latent: builds the executor of the actor's ``latent_pi`` (SAC) on the copies; the float buffers are
+        copied too (running statistics of normalisation layers, as in CrossQ's actor)
     """
 
-    def __init__(self, actor: SACActor | TD3Actor) -> None:
-        params = list(actor.parameters())
+    def __init__(
+        self,
+        actor: SACActor | TD3Actor,
+        latent: Callable[[nn.Module, Callable[[th.Tensor], th.Tensor]], Callable[[th.Tensor], th.Tensor]] = (
+            TorchMlp.from_module
+        ),
+    ) -> None:
+        params = [*actor.parameters(), *(b for b in actor.buffers() if b.is_floating_point())]
         self.mirror = ParameterMirror(params, "cpu")
         lookup = {id(p): c for p, c in zip(params, self.mirror.copies, strict=True)}
 
@@ -49,8 +58,14 @@ class FrozenOffPolicyActor:
         # products (as stock's two Linear calls)
         self.squashed_gaussian = isinstance(actor, SACActor) or hasattr(actor, "latent_pi")
         sac = cast(SACActor, actor)
-        modules = [sac.latent_pi, sac.mu, cast(nn.Module, sac.log_std)] if self.squashed_gaussian else [actor.mu]
-        self.nets = [TorchMlp.from_module(module, mirrored) for module in modules]
+        self.nets: list[Callable[[th.Tensor], th.Tensor]] = (
+            [
+                latent(sac.latent_pi, mirrored),
+                *(TorchMlp.from_module(m, mirrored) for m in (sac.mu, cast(nn.Module, sac.log_std))),
+            ]
+            if self.squashed_gaussian
+            else [TorchMlp.from_module(actor.mu, mirrored)]
+        )
 
         #: the observations' float rows, ``None`` for a flat ``Box`` (its rows: the observations, flattened)
         self.float_rows = float_rows_unless_box(actor.observation_space)
