@@ -33,10 +33,8 @@ from sb3_speedups.common.nn.optim import FlatOptimizerStep
 from sb3_speedups.common.off_policy.critics import parameters_only_in, without_weight_gradients
 from sb3_speedups.crossq.batch_renorm import RenormCounts, run_sequential
 from sb3_speedups.sac.critic_loss import MinCriticLoss
+from sb3_speedups.sac.squashed_gaussian import sample_squashed
 from sb3_speedups.sac.update import SACStepLosses, autograd_ent_coef_step
-
-# sb3-contrib's bounds on CrossQ's log standard deviation
-_LOG_STD_MIN, _LOG_STD_MAX = -20.0, 2.0
 
 
 def _layers_reason(net: nn.Module, name: str) -> str | None:
@@ -124,8 +122,10 @@ class CrossQUpdate:
         """:return: ``actor.action_log_prob(obs)`` with the layers in training (``training``) or evaluation mode"""
         actor = self.policy.actor
         latent = run_sequential(actor.latent_pi, actor.extract_features(obs, actor.features_extractor), training, counts)
-        log_std = th.clamp(actor.log_std(latent), _LOG_STD_MIN, _LOG_STD_MAX)
-        return actor.action_dist.log_prob_from_params(actor.mu(latent), log_std)
+        mean = actor.mu(latent)
+        # stock's operations and draw (``Normal.rsample``), without building and validating a distribution per call
+        sample = sample_squashed(th.cat([mean, actor.log_std(latent)], dim=1), th.empty_like(mean).normal_())
+        return sample.actions, sample.log_prob.reshape(-1)
 
     def _critics(self, obs: th.Tensor, actions: th.Tensor, training: bool, counts: RenormCounts) -> list[th.Tensor]:
         """:return: ``critic(obs, actions)`` with the layers in training (``training``) or evaluation mode"""
