@@ -328,3 +328,39 @@ def test_colour_frames_stack_several_channels():
         _fill([ours, stock], [(obs, next_obs, np.zeros((1, 1)), np.zeros(1), np.zeros(1), [{}])])
     _assert_same_contents(ours, stock)
     assert ours.frames.next_ids[0] == 4 + 15  # one frame per transition after the first stack
+
+
+@pytest.mark.parametrize(
+    ("algo", "env_id", "params", "stock", "frames_once"),
+    [
+        ("qrdqn", "BreakoutNoFrameskip-v4", {}, False, True),
+        ("dqn", "BreakoutNoFrameskip-v4", {}, False, True),
+        ("qrdqn", "BreakoutNoFrameskip-v4", {}, True, False),
+        ("dqn", "BreakoutNoFrameskip-v4", {"optimize_memory_usage": True}, False, False),
+        ("dqn", "CartPole-v1", {}, False, False),
+    ],
+)
+def test_zoo_runs_store_atari_frames_once(algo: str, env_id: str, params: dict, stock: bool, frames_once: bool) -> None:
+    """
+    The CLI's (and the benchmark's) DQN and QR-DQN on the Zoo's frame-stacked ``atari`` sections store each frame once:
+    the Zoo's 1M-transition QR-DQN buffer needs 56 GB in SB3's default buffer. Stock runs, other buffers asked for and
+    non-image observations keep SB3's buffer.
+    """
+    if "Breakout" in env_id:
+        pytest.importorskip("ale_py")
+    from sb3_speedups.zoo.envs import make_env
+    from sb3_speedups.zoo.train import TrainConfig, create_model, prepare_experiment
+
+    hyperparams = {"buffer_size": 500, "learning_starts": 50, **params}
+    if params.get("optimize_memory_usage"):
+        hyperparams["replay_buffer_kwargs"] = {"handle_timeout_termination": False}
+    config = TrainConfig(algo=algo, env_id=env_id, n_timesteps=80, seed=0, hyperparams=hyperparams, stock=stock)
+    experiment = prepare_experiment(config)
+    env = make_env(env_id, experiment.hyperparams, experiment.hyperparams.n_envs, 0, vec_env="dummy")
+    try:
+        model = create_model(experiment, env)
+        assert isinstance(model.replay_buffer, FrameStackReplayBuffer) is frames_once
+        model.learn(80)
+        assert model.replay_buffer.pos * env.num_envs == model.num_timesteps >= 80
+    finally:
+        env.close()

@@ -14,9 +14,11 @@ import numpy as np
 from gymnasium import spaces
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback, EvalCallback
+from stable_baselines3.common.preprocessing import is_image_space
 from stable_baselines3.common.noise import NormalActionNoise, OrnsteinUhlenbeckActionNoise
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize, sync_envs_normalization
 
+from sb3_speedups.common.replay.frames import FrameStackReplayBuffer
 from sb3_speedups.common.save_util import save_model, save_vecnormalize
 from sb3_speedups.common.torch_utils import apply_num_threads
 from sb3_speedups.errors import UserError
@@ -162,6 +164,24 @@ def check_model_file(path: str) -> Path:
     return model_path
 
 
+def stores_frames_once(experiment: Experiment, env: VecEnv) -> bool:
+    """
+    :return: whether our DQN or QR-DQN gets a :class:`FrameStackReplayBuffer` in place of SB3's default buffer:
+        frame-stacked image observations (``frame_stack``, as in the Zoo's ``atari`` sections), no replay buffer
+        class or ``optimize_memory_usage`` named. Its samples are stock's for a seed, in an eighth of the memory (the
+        Zoo's 1M-transition QR-DQN buffer: 7.6 GB against stock's 56.5 GB, which fails to allocate on 24 GB).
+    """
+    kwargs = experiment.hyperparams.model_kwargs
+    return (
+        not experiment.config.stock
+        and experiment.config.algo in ("dqn", "qrdqn")
+        and int(experiment.hyperparams.frame_stack or 1) > 1
+        and is_image_space(env.observation_space, check_channels=False)
+        and kwargs.get("replay_buffer_class") is None
+        and not kwargs.get("optimize_memory_usage", False)
+    )
+
+
 def create_model(experiment: Experiment, env: VecEnv) -> BaseAlgorithm:
     """
     Build the model (or load ``trained_agent`` to continue training it).
@@ -174,6 +194,8 @@ def create_model(experiment: Experiment, env: VecEnv) -> BaseAlgorithm:
     noise = make_action_noise(experiment.hyperparams, env)
     if noise is not None:
         kwargs["action_noise"] = noise
+    if stores_frames_once(experiment, env):
+        kwargs["replay_buffer_class"] = FrameStackReplayBuffer
     common: dict[str, Any] = {"seed": experiment.seed, "device": config.device, "verbose": config.model_verbose}
     if config.tensorboard_log:
         common["tensorboard_log"] = config.tensorboard_log
