@@ -8,7 +8,11 @@ import pytest
 import stable_baselines3
 import torch as th
 
+from gymnasium.spaces import Discrete
+from stable_baselines3.common.sb2_compat.rmsprop_tf_like import RMSpropTFLike
+
 from sb3_speedups import A2C
+from sb3_speedups.a2c.kept_cnn import KeptConvActorCritic, kept_conv_update
 from sb3_speedups.a2c.update import A2CLossConfig, HandDerivedA2CUpdate, a2c_loss
 from sb3_speedups.cli import main
 from sb3_speedups.registry import get_algo
@@ -17,7 +21,7 @@ from sb3_speedups.tune.tuner import TuneConfig, build_space
 from sb3_speedups.zoo.envs import make_env
 from sb3_speedups.zoo.hyperparams import default_hyperparams_file, load_yaml_file, read_hyperparams
 from sb3_speedups.zoo.train import TrainConfig, create_model, prepare_experiment
-from tests.space_envs import ACTION_SPACES, box_env
+from tests.space_envs import ACTION_SPACES, box_env, image_env
 
 LOSS_CASES = [
     dict(),
@@ -81,6 +85,44 @@ def test_gsde_and_other_policies_fall_back_to_autograd_with_the_flat_optimizer()
     assert "SGD" in custom.fast_path_unsupported_reason()
     custom.learn(64)
     assert custom._speedups.updater.step.flat_optimizer is None  # the stock optimizer calls
+
+
+@pytest.mark.parametrize("optimizer", ["rmsprop", "rmsprop-tf-like"])
+def test_cnn_update_starts_from_acting_activations(optimizer: str) -> None:
+    """
+    A ``CnnPolicy``'s update back-propagates from the convolutions' outputs that acting kept: its gradient is stock's
+    (autograd through ``evaluate_actions`` on the whole rollout), and learning equals stock's with the flat RMSprop and
+    with the RL Zoo's Atari optimizer (``RMSpropTFLike``, stock's own calls).
+    """
+    kwargs: dict = dict(n_steps=8, seed=4, policy_kwargs=dict(net_arch=[16]))
+    if optimizer == "rmsprop-tf-like":
+        kwargs["policy_kwargs"].update(optimizer_class=RMSpropTFLike, optimizer_kwargs=dict(eps=1e-5))
+    ours = A2C("CnnPolicy", image_env(Discrete(3))(), **kwargs).learn(8 * 2 * 4)
+    stock = stable_baselines3.A2C("CnnPolicy", image_env(Discrete(3))(), **kwargs).learn(8 * 2 * 4)
+    actor = ours._speedups.actor
+    assert isinstance(actor, KeptConvActorCritic) and actor.rows == -1, "the last update used the kept activations"
+    for key, value in stock.policy.state_dict().items():
+        th.testing.assert_close(ours.policy.state_dict()[key], value, rtol=1e-4, atol=1e-5, msg=key)
+    # one more rollout, then its gradient against autograd on the same weights and rollout
+    ours.train = lambda: None  # type: ignore[method-assign]
+    ours.learn(16, reset_num_timesteps=False)
+    assert actor.complete()
+    policy, buffer = ours.policy, ours.rollout_buffer
+    obs, actions = buffer.flat_observations(), buffer.flat("actions")
+    advantages, returns = buffer.flat("advantages"), buffer.flat("returns")
+    cfg = A2CLossConfig(0.0, 0.5, 0.5, False)
+    values, log_prob, entropy = policy.evaluate_actions(obs, actions.long().flatten())
+    loss, expected_stats = a2c_loss(log_prob, entropy, values.flatten(), advantages, returns, cfg)
+    expected = th.autograd.grad(loss, list(policy.parameters()))
+    step = ours._speedups.updater.step
+    step.step = lambda *args: None  # keep the gradient, move nothing
+    stats = kept_conv_update(actor, step, obs, actions, advantages, returns, cfg)
+    for p, g in zip(policy.parameters(), expected, strict=True):
+        assert p.grad is not None
+        # a convolution's weight gradient sums rows x pixels (here 16 x 64) products, in other orders than autograd's
+        # (channels-last, acting's row blocks): float32 rounding relative to the gradient's scale, not to each entry
+        th.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-4 * float(g.abs().max()))
+    th.testing.assert_close(stats, expected_stats, rtol=1e-5, atol=1e-6)
 
 
 def test_bundled_hyperparams_and_tuner_space_build_our_a2c() -> None:

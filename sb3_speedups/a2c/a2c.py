@@ -7,7 +7,9 @@ A2C as in Stable-Baselines3, faster. What differs from stock, and why it is fast
   (:class:`~sb3_speedups.common.on_policy.buffers.FastRolloutBuffer`);
 - ``train()``'s one gradient step on the whole rollout is :class:`~sb3_speedups.a2c.update.HandDerivedA2CUpdate`
   (hand-derived gradients, flat buffers, one flat RMSprop or Adam step) for MLP policies, else the autograd
-  :class:`~sb3_speedups.a2c.update.AutogradA2CUpdate`; its statistics are read in one host sync;
+  :class:`~sb3_speedups.a2c.update.AutogradA2CUpdate`; its statistics are read in one host sync. A NatureCNN
+  policy's update starts from the convolutions' outputs that acting kept (:mod:`sb3_speedups.a2c.kept_cnn`): no
+  second forward through them;
 - torch runs on one CPU thread unless the user chose otherwise (faster and steadier for small networks).
 
 The maths, the defaults and the RNG draws are stock SB3's.
@@ -22,6 +24,7 @@ import stable_baselines3
 import torch as th
 from stable_baselines3.common.utils import explained_variance
 
+from sb3_speedups.a2c.kept_cnn import KeptConvActorCritic, kept_conv_reason, kept_conv_update
 from sb3_speedups.a2c.update import A2CLossConfig, AutogradA2CUpdate, HandDerivedA2CUpdate
 from sb3_speedups.common.acting.actors import FrozenActorCritic, ModuleActorCritic
 from sb3_speedups.common.nn.heads import make_head
@@ -86,7 +89,11 @@ class A2C(FastOnPolicy, stable_baselines3.A2C):
             actor: FrozenActorCritic | ModuleActorCritic = FrozenActorCritic(self.policy, head, device)
         else:
             updater = AutogradA2CUpdate(self.policy)
-            actor = ModuleActorCritic(self.policy, device)
+            rows = self.n_steps * self.n_envs
+            if kept_conv_reason(self.policy, rows, device) is None:
+                actor = KeptConvActorCritic(self.policy, rows)  # the update starts from acting's convolutions
+            else:
+                actor = ModuleActorCritic(self.policy, device)
             if self.verbose >= 1:
                 print(f"sb3_speedups A2C: using the autograd update ({reason})")
         return A2CSpeedups(updater, actor, reason, isinstance(getattr(self.policy, "log_std", None), th.Tensor))
@@ -122,6 +129,13 @@ class A2C(FastOnPolicy, stable_baselines3.A2C):
             )
             with th.inference_mode():  # no autograd is needed: without its dispatch every op is cheaper
                 stats = updater.update(observations, actions, advantages, returns, cfg)
+        elif isinstance(speed.actor, KeptConvActorCritic) and speed.actor.complete():
+            np.random.permutation(buffer.buffer_size * buffer.n_envs)  # stock's get(), as above
+            observations = buffer.flat_observations()
+            assert isinstance(observations, th.Tensor)
+            actions, advantages, returns = (buffer.flat(name) for name in ("actions", "advantages", "returns"))
+            stats = kept_conv_update(speed.actor, updater.step, observations, actions, advantages, returns, cfg)
+            speed.actor.rows = -1  # the activations are stale once the weights move
         else:
             stats = updater.update(next(self.rollout_buffer.get(batch_size=None)), cfg)  # the whole rollout is one batch
         self._n_updates += 1
