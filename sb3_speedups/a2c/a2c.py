@@ -135,7 +135,6 @@ class A2C(FastOnPolicy, stable_baselines3.A2C):
             assert isinstance(observations, th.Tensor)
             actions, advantages, returns = (buffer.flat(name) for name in ("actions", "advantages", "returns"))
             stats = kept_conv_update(speed.actor, updater.step, observations, actions, advantages, returns, cfg)
-            speed.actor.rows = -1  # the activations are stale once the weights move
         else:
             stats = updater.update(next(self.rollout_buffer.get(batch_size=None)), cfg)  # the whole rollout is one batch
         self._n_updates += 1

@@ -104,15 +104,10 @@ class KeptConvActorCritic(ModuleActorCritic):
         """:return: whether the activations of a whole rollout are kept"""
         return self.rows == self.outputs[0].shape[0]
 
-    @th.inference_mode()
-    def act(
-        self, obs: np.ndarray | dict[str, np.ndarray], masks: np.ndarray | None = None
-    ) -> tuple[np.ndarray, th.Tensor, th.Tensor]:
-        policy, head = self.policy, self.head
-        assert head is not None
-        if masks is not None:
-            raise ValueError(f"{type(self).__name__} does not mask actions")
-        x = preprocess_obs(th.as_tensor(obs, device=self.device), policy.observation_space, policy.normalize_images)
+    def _latents(self, obs: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
+        """:return: the policy's latents of ``obs``, keeping each convolution's output in this rollout's rows"""
+        policy = self.policy
+        x = preprocess_obs(obs, policy.observation_space, policy.normalize_images)
         assert isinstance(x, th.Tensor)  # a Box space (kept_conv_reason)
         start, n = self.rows, x.shape[0]
         keep = 0 <= start and start + n <= self.outputs[0].shape[0]  # (-1: no rollout started since the update)
@@ -122,12 +117,7 @@ class KeptConvActorCritic(ModuleActorCritic):
             if keep:
                 kept[start : start + n].copy_(x)
         self.rows = start + n if keep else self.outputs[0].shape[0] + 1  # a longer rollout is not kept
-        latent_pi, latent_vf = policy.mlp_extractor(policy.features_extractor.linear(x.flatten(1)))
-        values = policy.value_net(latent_vf)
-        out = policy.action_net(latent_pi)
-        actions, log_prob = head.sample(out, getattr(policy, "log_std", None))
-        np_actions = actions.cpu().numpy()
-        return (np_actions if self.action_shape is None else np_actions.reshape(self.action_shape)), values, log_prob
+        return policy.mlp_extractor(policy.features_extractor.linear(x.flatten(1)))
 
 
 def _channels_last(x: th.Tensor) -> th.Tensor:
@@ -194,4 +184,5 @@ def kept_conv_update(
                     param.grad.add_(param_grad)
             grad = grad_input
     step.step(cfg.max_grad_norm)
+    actor.rows = -1  # the weights moved: the kept outputs are stale until the next rollout
     return stats

@@ -364,7 +364,7 @@ class ModuleActorCritic:
                 raise ValueError(f"{type(policy).__name__} has no standard head to mask")
             actions, values, log_prob = policy(obs_tensor)
             return actions.cpu().numpy(), values, log_prob  # the policy shapes its actions itself
-        latent_pi, latent_vf = policy_latents(policy, obs_tensor)
+        latent_pi, latent_vf = self._latents(obs_tensor)
         values = policy.value_net(latent_vf)
         out = policy.action_net(latent_pi)
         actions, log_prob = self.head.sample(
@@ -372,6 +372,10 @@ class ModuleActorCritic:
         )
         np_actions = actions.cpu().numpy()
         return (np_actions if self.action_shape is None else np_actions.reshape(self.action_shape)), values, log_prob
+
+    def _latents(self, obs: Any) -> tuple[th.Tensor, th.Tensor]:
+        """:return: the actor's and the critic's latents of ``obs`` (tensors), as the policy computes them"""
+        return policy_latents(self.policy, obs)
 
     @th.inference_mode()
     def predict_values(self, obs: np.ndarray | dict[str, np.ndarray]) -> th.Tensor:
