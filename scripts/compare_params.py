@@ -84,6 +84,8 @@ CASES: dict[str, Case] = {
             10_000,
         ),
         Case("ppo_mask_knapsack", "ppo_mask", "MaskedKnapsack-v0", "hyperparams/ppo_mask.yml", 10_000),
+        Case("tqc_pendulum", "tqc", "Pendulum-v1", "hyperparams/tqc.yml", 1_000),
+        Case("qrdqn_cartpole", "qrdqn", "CartPole-v1", "hyperparams/qrdqn.yml", 10_000),
     )
 }
 

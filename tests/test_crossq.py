@@ -115,8 +115,8 @@ def test_updates_equal_stock(kwargs: dict, steps: int, renorm: bool) -> None:
     assert isinstance(updater, CrossQUpdate)
     logs: dict[str, tuple[list[th.Tensor], list[th.Tensor]]] = {}
     for name, adam, optimizer in (
-        ("actor", updater.actor_step.adam, stock.actor.optimizer),
-        ("critic", updater.critic_step.adam, stock.critic.optimizer),
+        ("actor", updater.actor_net.adam if updater.actor_net is not None else None, stock.actor.optimizer),
+        ("critic", updater.critics.adam if updater.critics is not None else None, stock.critic.optimizer),
     ):
         assert adam is not None
         logs[name] = ([], [])

@@ -227,6 +227,78 @@ def test_crossq_batch_renorm_gradient_equals_autograd(renorm, affine):
         th.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("renorm", [False, True], ids=["warmup", "renorm"])
+def test_crossq_chain_with_norms_equals_autograd(renorm):
+    # MlpChain with StackedRenorm input and output norms (CrossQ's critics: BatchRenorm1d before each Linear layer and
+    # at the end) against autograd through the modules, float64: in training mode every parameter's gradient for an
+    # upstream gradient that is zero on the second half of the rows (the critic loss of the joint forward), in
+    # evaluation mode the input columns' gradient (the actor loss through the critics)
+    from sb3_contrib.common.torch_layers import BatchRenorm1d
+
+    from sb3_speedups.common.nn.flat import FlatParameters
+    from sb3_speedups.common.nn.training import MlpChain
+    from sb3_speedups.crossq.batch_renorm import RenormCounts, StackedRenorm
+    from sb3_speedups.crossq.critics import parse_renorm_mlp, use_norms
+
+    gen = th.Generator().manual_seed(0)
+    nets = []
+    for _ in range(2):
+        net = th.nn.Sequential(
+            BatchRenorm1d(5, warmup_steps=3),
+            th.nn.Linear(5, 12),
+            th.nn.ReLU(),
+            BatchRenorm1d(12, warmup_steps=3),
+            th.nn.Linear(12, 9),
+            th.nn.ReLU(),
+            BatchRenorm1d(9, warmup_steps=3),
+        ).double()
+        with th.no_grad():
+            for m in net:
+                if isinstance(m, BatchRenorm1d):
+                    m.steps.fill_(4 if renorm else 0)
+                    m.ra_mean.normal_(generator=gen)
+                    m.ra_var.uniform_(0.3, 3.0, generator=gen)
+                    m.scale.uniform_(0.5, 1.5, generator=gen)
+                    m.bias.normal_(generator=gen)
+        nets.append(net)
+    stock = copy.deepcopy(nets)
+    parsed = [parse_renorm_mlp(net) for net in nets]
+    layout = []
+    for k in range(3):
+        norms = [found[1][k] for found in parsed]
+        layout += [m.scale for m in norms] + [m.bias for m in norms]
+        if k < 2:
+            layout += [found[0].layers[k].weight for found in parsed] + [found[0].layers[k].bias for found in parsed]
+    flat = FlatParameters([p for net in nets for p in net.parameters()], layout)
+    norms = [StackedRenorm([found[1][k] for found in parsed], flat) for k in range(3)]
+    chain = MlpChain(flat, [found[0] for found in parsed], norms)
+    counts = RenormCounts(*nets)
+    for norm in norms:
+        norm.counts = counts
+    x = th.randn(2 * N, 5, generator=gen, dtype=th.float64) * 2 + 0.5
+    upstream = th.randn(2, 2 * N, 9, generator=gen, dtype=th.float64)
+    upstream[:, N:] = 0.0
+    out = chain.forward(x)
+    expected_out = th.stack([net.train()(x) for net in stock])
+    th.testing.assert_close(out, expected_out, rtol=1e-10, atol=1e-12)
+    chain.backward(upstream.clone())
+    loss = (expected_out * upstream).sum()
+    for net, ours in zip(stock, nets, strict=True):
+        grads = th.autograd.grad(loss, list(net.parameters()), retain_graph=True)
+        for p, g in zip(ours.parameters(), grads, strict=True):
+            th.testing.assert_close(flat.grad_of(p), g, rtol=1e-10, atol=1e-12)
+    for net, ours in zip(stock, nets, strict=True):  # the running statistics moved as the modules moved theirs
+        for (name, a), b in zip(ours.state_dict().items(), net.state_dict().values(), strict=True):
+            th.testing.assert_close(a, b, rtol=1e-10, atol=0, msg=name)
+    use_norms(norms, False)
+    x_eval = (th.randn(N, 5, generator=gen, dtype=th.float64)).requires_grad_(True)
+    upstream = th.randn(2, N, 9, generator=gen, dtype=th.float64)
+    th.testing.assert_close(chain.forward(x_eval.detach()), th.stack([net.eval()(x_eval) for net in stock]).detach())
+    got = chain.backward_input(upstream.clone(), slice(2, None)).sum(0)
+    (expected,) = th.autograd.grad((th.stack([net(x_eval) for net in stock]) * upstream).sum(), [x_eval])
+    th.testing.assert_close(got, expected[:, 2:], rtol=1e-10, atol=1e-12)
+
+
 TRPO_ACTION_SPACES = {
     "discrete": spaces.Discrete(4),
     "multidiscrete": spaces.MultiDiscrete([3, 2, 4]),

@@ -5,27 +5,29 @@ the modules' flags, and the costs of the module's training-mode forward and of i
 - the batch variance is the centred sum of squares over ``n - 1`` (``x.var(dim=0)``'s value, another summation order:
   float32 rounding); torch's CPU ``var`` over the rows of a ``[512, 256]`` block costs about as much as a
   ``256 x 256`` product of it, the two reductions here about a fourteenth of that;
-- the output and its gradients are one autograd node with a hand-derived backward (:class:`BatchRenormTraining`);
+- the output and its gradients are hand-derived (:func:`renorm_output`, :func:`renorm_backward`): one autograd node
+  (:class:`BatchRenormTraining`), or an input norm of :class:`~sb3_speedups.common.nn.training.MlpChain` for ``G``
+  layers at once (:class:`StackedRenorm`, CrossQ's hand-derived step);
 - the warm-up test (``steps > warmup_steps``) reads a host count kept per ``train()`` call (:class:`RenormCounts`),
   not the ``steps`` buffer each forward (a device sync on a GPU).
 
 The running statistics and the ``steps`` buffer are updated in place as the module updates them, so saved models,
-``predict`` and stock's own ``train()`` see what they would see after stock's steps. For acting, :class:`EvalRenormMlp`
-runs a network with these layers in evaluation mode on a frozen copy.
+``predict`` and stock's own ``train()`` see what they would see after stock's steps. For acting:
+:mod:`sb3_speedups.crossq.acting`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch as th
 from sb3_contrib.common.torch_layers import BatchRenorm1d
 from torch import nn
 from torch.nn import functional as F
 
-from sb3_speedups.common.acting.torch_mlp import TorchMlp
+from sb3_speedups.common.nn.flat import FlatParameters
 
 
 class RenormCounts:
@@ -33,11 +35,16 @@ class RenormCounts:
     The ``steps`` of some ``BatchRenorm1d`` layers as host integers, read once from their buffers.
 
     :param modules: the networks whose layers are counted
+    :param layers: the layers themselves instead (found once, for calls every ``train()``)
     """
 
-    def __init__(self, *modules: nn.Module) -> None:
-        self.layers = [m for module in modules for m in module.modules() if isinstance(m, BatchRenorm1d)]
-        self.steps = {id(m): int(m.steps) for m in self.layers}  # type: ignore[arg-type]
+    def __init__(self, *modules: nn.Module, layers: list[BatchRenorm1d] | None = None) -> None:
+        if layers is None:
+            layers = [m for module in modules for m in module.modules() if isinstance(m, BatchRenorm1d)]
+        self.layers = layers
+        # one host read for all of them
+        values = th.stack([m.steps for m in layers]).tolist() if layers else []  # type: ignore[misc]
+        self.steps: dict[int, int] = {id(m): int(v) for m, v in zip(layers, values, strict=True)}
 
     def set_training(self, mode: bool) -> None:
         """Set the layers' ``training`` flags (stock's ``set_bn_training_mode``) without ``nn.Module.train``'s walk."""
@@ -47,70 +54,206 @@ class RenormCounts:
 
 @dataclass
 class BatchStatistics:
-    """A training-mode forward's statistics of its ``[n, features]`` input (computed without autograd)."""
+    """
+    A training-mode forward's statistics of its input, rows on dimension ``-2`` (``[n, F]``, or ``[G, n, F]`` for
+    ``G`` layers at once), each statistic ``[..., 1, F]`` (computed without autograd).
+    """
 
     #: ``x - batch_mean``
     centred: th.Tensor
     batch_mean: th.Tensor
-    #: the unbiased variance (``x.var(dim=0)``'s value)
+    #: the unbiased variance (``x.var(dim=-2)``'s value)
     batch_var: th.Tensor
     #: after warm-up, the clamped corrections ``r`` (scale) and ``d`` (shift); ``None`` during warm-up
     r: th.Tensor | None = None
     d: th.Tensor | None = None
 
 
+@dataclass
+class RenormBuffers:
+    """
+    Kept ``[..., n, F]`` blocks for the functions below to write into (fresh blocks of a megabyte cost page faults
+    whenever the allocator has returned its memory), or ``None`` there: they allocate.
+    """
+
+    centred: th.Tensor
+    #: a temporary (the squares of the centred block, the products of the gradient with it)
+    scratch: th.Tensor
+    output: th.Tensor
+    grad_x: th.Tensor
+
+    @classmethod
+    @th.inference_mode(False)
+    def like(cls, x: th.Tensor) -> RenormBuffers:
+        """:return: buffers for inputs shaped as ``x`` (normal tensors, usable in any mode)"""
+        return cls(*(th.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(4)))
+
+
+@th.no_grad()
+def batch_statistics(
+    x: th.Tensor,
+    ra_mean: th.Tensor,
+    ra_var: th.Tensor,
+    warm: bool,
+    layer: BatchRenorm1d,
+    buffers: RenormBuffers | None = None,
+) -> BatchStatistics:
+    """
+    :param x: the input, rows on dimension ``-2``
+    :param ra_mean: the running mean, ``[..., 1, F]``, updated in place (as the module updates its own)
+    :param ra_var: the running variance, likewise
+    :param warm: past the warm-up (``steps > warmup_steps``): renormalise with the running statistics
+    :param layer: the layer (or one of the ``G``) whose hyperparameters these are
+    :param buffers: where to write the centred block and the temporary
+    :return: the batch statistics of ``x``
+    """
+    batch_mean = x.mean(dim=-2, keepdim=True)
+    if buffers is None:
+        centred = x - batch_mean
+        square = centred * centred
+    else:
+        centred = th.sub(x, batch_mean, out=buffers.centred)
+        square = th.mul(centred, centred, out=buffers.scratch)
+    stats = BatchStatistics(centred, batch_mean, th.sum(square, dim=-2, keepdim=True) / (x.shape[-2] - 1))
+    if warm:
+        running_std = (ra_var + layer.eps).sqrt()
+        stats.r = ((stats.batch_var + layer.eps).sqrt() / running_std).clamp(1 / layer.rmax, layer.rmax)
+        stats.d = ((batch_mean - ra_mean) / running_std).clamp(-layer.dmax, layer.dmax)
+    ra_mean += layer.momentum * (batch_mean - ra_mean)
+    ra_var += layer.momentum * (stats.batch_var - ra_var)
+    return stats
+
+
+@dataclass
+class RenormSaved:
+    """What a training-mode output keeps for its backward (:func:`renorm_output`, :func:`renorm_backward`)."""
+
+    centred: th.Tensor
+    std: th.Tensor
+    #: ``scale / std`` (``1 / std`` without the affine parameters)
+    factor: th.Tensor
+    scale: th.Tensor | None
+    #: ``batch_mean - custom_mean`` after warm-up, else ``None``
+    shift: th.Tensor | None
+    coefficient: th.Tensor | None
+    r: th.Tensor | None
+
+
+def renorm_output(
+    stats: BatchStatistics,
+    scale: th.Tensor | None,
+    bias: th.Tensor | None,
+    eps: float,
+    buffers: RenormBuffers | None = None,
+) -> tuple[th.Tensor, RenormSaved]:
+    """
+    A ``BatchRenorm1d`` layer's training-mode output from its batch statistics (docs/maths.md, "CrossQ batch
+    renormalisation"): one fused pass over the centred block, ``centred * (scale / std) + (bias + scale * shift /
+    std)`` (stock divides, multiplies and adds: float32 rounding apart, the same numbers).
+
+    :param scale: the affine scale, broadcastable to the statistics (or ``None``)
+    :param bias: the affine bias, likewise
+    :param buffers: where to write the output
+    :return: the output, and what its backward needs
+    """
+    n = stats.centred.shape[-2]
+    if stats.r is None or stats.d is None:
+        std = (stats.batch_var + eps).sqrt()
+        shift = coefficient = None  # custom_mean is the batch mean
+    else:
+        sigma = stats.batch_var.sqrt()
+        shift = stats.d * sigma / stats.r  # batch_mean - custom_mean
+        std = (stats.batch_var / (stats.r**2) + eps).sqrt()
+        # the factor of the gradient's term through sigma in custom_mean (a constant feature, sigma = 0, makes it
+        # inf or nan, as stock's sqrt backward does)
+        coefficient = stats.d / (stats.r * sigma * (n - 1))
+    factor = 1.0 / std if scale is None else scale / std
+    offset = th.zeros_like(std) if bias is None else bias
+    if shift is not None:
+        offset = offset + shift * factor
+    saved = RenormSaved(stats.centred, std, factor, scale, shift, coefficient, stats.r)
+    if buffers is None:
+        return th.addcmul(offset, stats.centred, factor), saved
+    return th.addcmul(offset, stats.centred, factor, out=buffers.output), saved
+
+
+def renorm_backward(
+    saved: RenormSaved, grad: th.Tensor, input_grad: bool, buffers: RenormBuffers | None = None
+) -> tuple[th.Tensor | None, th.Tensor, th.Tensor]:
+    """
+    The gradients of :func:`renorm_output`: two reductions over the rows and two fused passes, about a third of the
+    passes over the block that autograd makes through the module's operations.
+
+    :param grad: the gradient of the output
+    :param input_grad: compute the input's gradient too
+    :param buffers: where to write the temporary and the input's gradient
+    :return: the gradients of the input (or ``None``), of the scale and of the bias, each statistic-shaped
+    """
+    centred, std, factor, scale, shift = saved.centred, saved.std, saved.factor, saved.scale, saved.shift
+    n = grad.shape[-2]
+    grad_bias = grad.sum(dim=-2, keepdim=True)
+    # sum(grad * normalised) with normalised = (centred + shift) / std
+    product = grad * centred if buffers is None else th.mul(grad, centred, out=buffers.scratch)
+    grad_scale = th.sum(product, dim=-2, keepdim=True)
+    if shift is not None:
+        grad_scale += shift * grad_bias
+    grad_scale /= std
+    grad_x = None
+    if input_grad:
+        # g = grad * scale is dL/d normalised: its sums from the affine parameters' gradients
+        sum_g, sum_gn = (grad_bias, grad_scale) if scale is None else (grad_bias * scale, grad_scale * scale)
+        alpha = sum_gn / ((n - 1) * std)
+        if saved.coefficient is None or saved.r is None:
+            alpha = -alpha
+        else:
+            alpha = saved.coefficient * sum_g - alpha / (saved.r**2)
+        # (g - mean(g) + centred * alpha) / std, in two fused passes
+        if buffers is None:
+            grad_x = th.addcmul(-sum_g / (n * std), grad, factor)
+        else:
+            grad_x = th.addcmul(-sum_g / (n * std), grad, factor, out=buffers.grad_x)
+        grad_x.addcmul_(centred, alpha / std)
+    return grad_x, grad_scale, grad_bias
+
+
 class BatchRenormTraining(th.autograd.Function):
-    """
-    A ``BatchRenorm1d`` layer's training-mode output from its batch statistics, with its gradients by hand
-    (docs/maths.md, "CrossQ batch renormalisation"). The output is one fused pass over the centred block,
-    ``centred * (scale / std) + (bias + scale * shift / std)`` (stock divides, multiplies and adds: float32 rounding
-    apart, the same numbers), and the backward two reductions and two fused passes, about a third of the passes over
-    the ``[n, features]`` block that autograd makes through the module's operations.
-    """
+    """One ``BatchRenorm1d`` layer's training-mode output as an autograd node (:func:`renorm_output`, its backward)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, x: th.Tensor, scale: th.Tensor | None, bias: th.Tensor | None, stats: BatchStatistics, eps: float
     ) -> th.Tensor:
-        n = x.shape[0]
-        if stats.r is None or stats.d is None:
-            std = (stats.batch_var + eps).sqrt()
-            shift = coefficient = None  # custom_mean is the batch mean
-        else:
-            sigma = stats.batch_var.sqrt()
-            shift = stats.d * sigma / stats.r  # batch_mean - custom_mean
-            std = (stats.batch_var / (stats.r**2) + eps).sqrt()
-            # the factor of the gradient's term through sigma in custom_mean (a constant feature, sigma = 0, makes it
-            # inf or nan, as stock's sqrt backward does)
-            coefficient = stats.d / (stats.r * sigma * (n - 1))
-        factor = 1.0 / std if scale is None else scale / std
-        offset = th.zeros_like(std) if bias is None else bias
-        if shift is not None:
-            offset = offset + shift * factor
-        ctx.save_for_backward(stats.centred, std, factor, scale, shift, coefficient, stats.r)
-        return th.addcmul(offset, stats.centred, factor)
+        y, ctx.saved = renorm_output(stats, scale, bias, eps)
+        return y
 
     @staticmethod
     def backward(ctx: Any, grad: th.Tensor) -> tuple[th.Tensor | None, ...]:  # type: ignore[override]
-        centred, std, factor, scale, shift, coefficient, r = ctx.saved_tensors
-        n = grad.shape[0]
-        grad_bias = grad.sum(dim=0)
-        # sum(grad * normalised) with normalised = (centred + shift) / std
-        grad_scale = th.sum(grad * centred, dim=0)
-        if shift is not None:
-            grad_scale += shift * grad_bias
-        grad_scale /= std
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            # g = grad * scale is dL/d normalised: its sums from the affine parameters' gradients
-            sum_g, sum_gn = (grad_bias, grad_scale) if scale is None else (grad_bias * scale, grad_scale * scale)
-            alpha = sum_gn / ((n - 1) * std)
-            alpha = -alpha if coefficient is None else coefficient * sum_g - alpha / (r**2)
-            # (g - mean(g) + centred * alpha) / std, in two fused passes
-            grad_x = th.addcmul(-sum_g / (n * std), grad, factor).addcmul_(centred, alpha / std)
-        if scale is None:
+        saved: RenormSaved = ctx.saved
+        grad_x, grad_scale, grad_bias = renorm_backward(saved, grad, ctx.needs_input_grad[0])
+        if saved.scale is None:
             return grad_x, None, None, None, None
-        return grad_x, grad_scale, grad_bias, None, None
+        return grad_x, grad_scale.view_as(saved.scale), grad_bias.view_as(saved.scale), None, None
+
+
+def eval_renorm(
+    x: th.Tensor,
+    ra_mean: th.Tensor,
+    ra_var: th.Tensor,
+    scale: th.Tensor | None,
+    bias: th.Tensor | None,
+    eps: float,
+    buffers: RenormBuffers | None = None,
+) -> tuple[th.Tensor, th.Tensor]:
+    """
+    :return: a ``BatchRenorm1d`` layer's evaluation-mode output, ``(x - ra_mean) * (scale / sqrt(ra_var + eps)) + bias``
+        in two passes (stock's four round otherwise in float32), and its factor (the output's derivative in ``x``)
+    """
+    factor = 1.0 / (ra_var + eps).sqrt() if scale is None else scale / (ra_var + eps).sqrt()
+    offset = th.zeros_like(ra_mean) if bias is None else bias
+    if buffers is None:
+        return th.addcmul(offset, x - ra_mean, factor), factor
+    centred = th.sub(x, ra_mean, out=buffers.centred)
+    return th.addcmul(offset, centred, factor, out=buffers.output), factor
 
 
 def batch_renorm(layer: BatchRenorm1d, x: th.Tensor, training: bool, counts: RenormCounts) -> th.Tensor:
@@ -123,20 +266,10 @@ def batch_renorm(layer: BatchRenorm1d, x: th.Tensor, training: bool, counts: Ren
     assert isinstance(ra_mean, th.Tensor) and isinstance(ra_var, th.Tensor) and isinstance(steps_buffer, th.Tensor)
     scale, bias = (layer.scale, layer.bias) if layer.affine else (None, None)
     if not training:
-        # (x - ra_mean) * (scale / sqrt(ra_var + eps)) + bias in two passes (stock's four round otherwise in float32)
-        factor = 1.0 / (ra_var + eps).sqrt() if scale is None else scale / (ra_var + eps).sqrt()
-        return th.addcmul(th.zeros_like(ra_mean) if bias is None else bias, x - ra_mean, factor)
+        return eval_renorm(x, ra_mean, ra_var, scale, bias, eps)[0]
     steps = counts.steps[id(layer)]
+    stats = batch_statistics(x, ra_mean.view(1, -1), ra_var.view(1, -1), steps > layer.warmup_steps, layer)
     with th.no_grad():
-        batch_mean = x.mean(dim=0)
-        centred = x - batch_mean
-        stats = BatchStatistics(centred, batch_mean, th.sum(centred * centred, dim=0) / (x.shape[0] - 1))
-        if steps > layer.warmup_steps:
-            running_std = (ra_var + eps).sqrt()
-            stats.r = ((stats.batch_var + eps).sqrt() / running_std).clamp(1 / layer.rmax, layer.rmax)
-            stats.d = ((batch_mean - ra_mean) / running_std).clamp(-layer.dmax, layer.dmax)
-        ra_mean += layer.momentum * (batch_mean - ra_mean)
-        ra_var += layer.momentum * (stats.batch_var - ra_var)
         steps_buffer += 1
     counts.steps[id(layer)] = steps + 1
     y = BatchRenormTraining.apply(x, scale, bias, stats, eps)
@@ -161,52 +294,99 @@ def run_sequential(net: nn.Sequential, x: th.Tensor, training: bool, counts: Ren
     return x
 
 
-class EvalRenormMlp:
+class StackedRenorm:
     """
-    A network of ``Linear``, activation and ``BatchRenorm1d`` layers in evaluation mode on plain (mirrored) tensors,
-    for acting: the runs of ``Linear`` and activation layers are :class:`~sb3_speedups.common.acting.torch_mlp.TorchMlp`
-    executors, each ``BatchRenorm1d`` layer the module's own evaluation forward (the same operations on the same
-    shapes, so stock's numbers).
+    ``G`` equally shaped ``BatchRenorm1d`` layers (one per critic, at one place of the networks; or one layer) as one
+    normalisation of a ``[G, n, F]`` block, with the state its backward needs kept: an
+    :class:`~sb3_speedups.common.nn.training.InputNorm` of :class:`~sb3_speedups.common.nn.training.MlpChain`. In
+    training mode (:attr:`training`) it normalises by the batch statistics and updates the running ones; in evaluation
+    mode by the running ones, and its backward gives the input's gradient only (what a loss that trains another network
+    through this one needs). For ``G > 1``, building it moves the layers' running statistics and step counts into
+    stacked buffers (the modules' buffers become views of them, so saving, loading and stock's own ``train()`` see them
+    as before); the affine parameters are views of the flat buffer that holds them.
 
-    :param net: the network (CrossQ's ``actor.latent_pi``)
-    :param mirror: maps each source parameter or running statistic to its plain-tensor copy
+    :param layers: the layers, same hyperparameters
+    :param flat: the flat buffer holding their parameters side by side
     """
 
-    def __init__(self, net: nn.Sequential, mirror: Callable[[th.Tensor], th.Tensor]) -> None:
-        self.steps: list[Callable[[th.Tensor], th.Tensor]] = []
-        run: list[nn.Module] = []
-        for layer in [*net, None]:
-            if layer is not None and not isinstance(layer, BatchRenorm1d):
-                run.append(layer)
-                continue
-            if run:
-                self.steps.append(TorchMlp.from_module(nn.Sequential(*run), mirror))
-                run = []
-            if layer is not None:
-                self.steps.append(_EvalRenorm(layer, mirror))
+    def __init__(self, layers: list[BatchRenorm1d], flat: FlatParameters) -> None:
+        first = layers[0]
+        keys = ("num_features", "eps", "momentum", "rmax", "dmax", "warmup_steps", "affine")
+        if any(getattr(m, k) != getattr(first, k) for m in layers for k in keys):
+            raise ValueError("stacked BatchRenorm1d layers must share their hyperparameters")
+        self.layers, self.first = layers, first
+        self.training = True
+        self.scale = self.bias = self.grad_scale = self.grad_bias = None
+        # one layer runs on [n, F] blocks (statistics [1, F]), several on [G, n, F] ones (statistics [G, 1, F])
+        shaped: Callable[[th.Tensor], th.Tensor] = (lambda t: t) if len(layers) == 1 else (lambda t: t.unsqueeze(1))
+        if first.affine:
+            self.scale, self.bias = (shaped(flat.stacked([getattr(m, k) for m in layers])) for k in ("scale", "bias"))
+            self.grad_scale, self.grad_bias = (
+                shaped(flat.stacked([getattr(m, k) for m in layers], grad=True)) for k in ("scale", "bias")
+            )
+        buffers = [(m.ra_mean, m.ra_var, m.steps) for m in layers]
+        if len(layers) == 1:  # views of the layer's own buffers
+            ra_mean, ra_var, steps = cast(tuple[th.Tensor, th.Tensor, th.Tensor], buffers[0])
+            self.ra_mean, self.ra_var, self.steps = ra_mean.view(1, -1), ra_var.view(1, -1), steps.view(1)
+        else:
+            with th.no_grad():
+                self.ra_mean, self.ra_var, self.steps = (th.stack(list(t)) for t in zip(*buffers, strict=True))  # type: ignore[arg-type]
+                self.ra_mean, self.ra_var = self.ra_mean.unsqueeze(1), self.ra_var.unsqueeze(1)
+            for g, m in enumerate(layers):
+                m.ra_mean, m.ra_var, m.steps = self.ra_mean[g, 0], self.ra_var[g, 0], self.steps[g]
+        kept = [t for g in range(len(layers)) for t in (self.ra_mean[g], self.ra_var[g], self.steps[g])]
+        self._pointers = [t.data_ptr() for t in kept]
+        self.counts: RenormCounts | None = None
+        self._saved: RenormSaved | None = None
+        self._factor: th.Tensor | None = None
+        self._buffers: dict[tuple[int, ...], RenormBuffers] = {}
+        self._last: RenormBuffers | None = None
 
-    @classmethod
-    def from_module(cls, net: nn.Module, mirror: Callable[[th.Tensor], th.Tensor]) -> EvalRenormMlp | TorchMlp:
-        """:return: the executor of ``net`` (a plain :class:`TorchMlp` when it has no ``BatchRenorm1d`` layer)"""
-        if isinstance(net, nn.Sequential) and any(isinstance(m, BatchRenorm1d) for m in net):
-            return cls(net, mirror)
-        return TorchMlp.from_module(net, mirror)
+    def _buffers_for(self, x: th.Tensor) -> RenormBuffers:
+        found = self._buffers.get(tuple(x.shape))
+        if found is None:
+            found = self._buffers[tuple(x.shape)] = RenormBuffers.like(x)
+        self._last = found
+        return found
 
-    def __call__(self, x: th.Tensor) -> th.Tensor:
-        """:return: the network's output of inputs ``[n, in]``"""
-        for step in self.steps:
-            x = step(x)
-        return x
+    def is_bound(self) -> bool:
+        """:return: whether the modules' statistics still live in the kept buffers (``module.to()`` undoes it)"""
+        found = [m._buffers[k] for m in self.layers for k in ("ra_mean", "ra_var", "steps")]
+        return [t.data_ptr() if t is not None else 0 for t in found] == self._pointers
 
+    def forward(self, x: th.Tensor) -> th.Tensor:
+        """
+        :return: the layers' output of ``x`` (``[n, F]`` or ``[G, n, F]``; in training mode, the running statistics and
+            the counts updated)
+        """
+        eps = self.first.eps
+        buffers = self._buffers_for(x)
+        if not self.training:
+            y, self._factor = eval_renorm(x, self.ra_mean, self.ra_var, self.scale, self.bias, eps, buffers)
+            return y
+        counts = self.counts
+        assert counts is not None, "set the train() call's counts first"
+        steps = counts.steps[id(self.first)]
+        stats = batch_statistics(x, self.ra_mean, self.ra_var, steps > self.first.warmup_steps, self.first, buffers)
+        self.steps += 1
+        for m in self.layers:
+            counts.steps[id(m)] = steps + 1
+        y, self._saved = renorm_output(stats, self.scale, self.bias, eps, buffers)
+        return y
 
-class _EvalRenorm:
-    """One ``BatchRenorm1d`` layer's evaluation forward on mirrored tensors (``BatchRenorm.forward``'s operations)."""
+    def backward(self, grad: th.Tensor, input_grad: bool) -> th.Tensor | None:
+        """
+        In training mode, write the scale and bias gradients of the last :meth:`forward` given its output's gradient
+        ``grad``; in evaluation mode, nothing (no parameter trains through it).
 
-    def __init__(self, layer: BatchRenorm1d, mirror: Callable[[th.Tensor], th.Tensor]) -> None:
-        assert isinstance(layer.ra_mean, th.Tensor) and isinstance(layer.ra_var, th.Tensor)
-        self.mean, self.var, self.eps = mirror(layer.ra_mean)[None], mirror(layer.ra_var)[None], layer.eps
-        self.affine = (mirror(layer.scale), mirror(layer.bias)) if layer.affine else None
-
-    def __call__(self, x: th.Tensor) -> th.Tensor:
-        x = (x - self.mean) / (self.var + self.eps).sqrt()
-        return x if self.affine is None else self.affine[0] * x + self.affine[1]
+        :return: the gradient of its input when ``input_grad``, else ``None``
+        """
+        if not self.training:
+            assert self._factor is not None, "backward before forward"
+            return th.mul(grad, self._factor, out=self._last.grad_x) if input_grad and self._last else None
+        assert self._saved is not None, "backward before forward"
+        grad_x, grad_scale, grad_bias = renorm_backward(self._saved, grad, input_grad, self._last)
+        if self.grad_scale is not None and self.grad_bias is not None:
+            self.grad_scale.copy_(grad_scale)
+            self.grad_bias.copy_(grad_bias)
+        return grad_x

@@ -5,7 +5,7 @@ our SAC, TD3 and TQC:
 
 - the lean collection loop (:class:`~sb3_speedups.common.off_policy.collection.FastOffPolicyCollection`), acting
   from a frozen copy of the actor whose ``BatchRenorm1d`` layers run their evaluation forward on copies of their
-  running statistics (:class:`~sb3_speedups.crossq.batch_renorm.EvalRenormMlp`: stock's ``predict``'s numbers);
+  running statistics (:class:`~sb3_speedups.crossq.acting.EvalRenormMlp`: stock's ``predict``'s numbers);
 - ``train()`` samples its minibatches many at a time with stock's RNG draws
   (:func:`~sb3_speedups.common.off_policy.training.split_minibatches`);
 - each gradient step is :class:`~sb3_speedups.crossq.update.CrossQUpdate`: stock's losses through autograd with the
@@ -27,7 +27,7 @@ from sb3_speedups.common.off_policy.algorithm import FastOffPolicyAlgorithm
 from sb3_speedups.common.off_policy.training import split_minibatches
 from sb3_speedups.common.torch_utils import num_threads_during, update_num_threads
 from sb3_speedups.common.training_mode import PLAIN_SET_TRAINING_MODES
-from sb3_speedups.crossq.batch_renorm import EvalRenormMlp
+from sb3_speedups.crossq.acting import EvalRenormMlp
 from sb3_speedups.crossq.update import CrossQUpdate, StockCrossQUpdate, crossq_unsupported_reason
 from sb3_speedups.sac.sac import begin_soft_train, check_ent_coef
 

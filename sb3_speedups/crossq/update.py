@@ -1,19 +1,20 @@
 """
-CrossQ's gradient step (``sb3_contrib.CrossQ.train``'s loop body) for MLP policies on flat ``Box`` observations: stock's
-losses through autograd, except where a hand-derived gradient pays:
+CrossQ's gradient step (``sb3_contrib.CrossQ.train``'s loop body) for MLP policies on flat ``Box`` observations.
 
-- the training-mode ``BatchRenorm1d`` layers (the critics' joint forward of ``2 * batch_size`` rows, the actor's
-  delayed forward) are one autograd node each with a hand-derived backward
-  (:class:`~sb3_speedups.crossq.batch_renorm.BatchRenormTraining`: a cheaper batch variance, a fused output, a third of
-  autograd's passes over the block), no ``steps`` read per forward, no ``set_bn_training_mode`` walks;
-- one flat fused Adam per network (:class:`~sb3_speedups.common.nn.optim.FlatOptimizerStep`);
-- the actor loss back-propagates through the critics to the actions only (stock also computes the critics' weight
-  gradients there, which the next critic step zeroes);
-- no host sync: the losses are kept as tensors and read once per ``train()``.
+For the default networks (``Linear`` layers with ``BatchRenorm1d`` layers before them and ReLU or Tanh activations)
+every gradient is by hand, as in SAC's step: the critics are :class:`~sb3_speedups.crossq.critics.RenormCritics` (the
+joint training-mode forward of ``(s, a)`` and ``(s', a')`` as one batched product per layer of the stacked critics,
+the batch-renormalisation layers as input norms), the actor an
+:class:`~sb3_speedups.common.off_policy.actor_net.ActorNet` with the same norms, the actor loss back-propagated
+through the critics in evaluation mode to the actions only; one flat fused Adam per network; no ``steps`` read per
+forward, no ``set_bn_training_mode`` walks; no host sync (the losses are kept as tensors and read once per
+``train()``).
 
-The matrix products (most of the rest) are what autograd runs anyway, so the Linear layers, the evaluation-mode
-layers and the squashed Gaussian stay on autograd (measured: docs/benchmarks.md). Everything else (non-``Box``
-observations, gSDE, custom networks) runs stock's ``train()`` (:class:`StockCrossQUpdate`).
+Other MLPs (layers or activations the hand path does not take) run stock's losses through autograd with the
+training-mode ``BatchRenorm1d`` layers as one autograd node each with a hand-derived backward
+(:class:`~sb3_speedups.crossq.batch_renorm.BatchRenormTraining`) and the flat fused Adam
+(:class:`~sb3_speedups.common.nn.optim.FlatOptimizerStep`). Everything else (non-``Box`` observations, gSDE, custom
+networks) runs stock's ``train()`` (:class:`StockCrossQUpdate`).
 """
 
 from __future__ import annotations
@@ -31,9 +32,16 @@ from torch import nn
 
 from sb3_speedups.common.nn.optim import FlatOptimizerStep
 from sb3_speedups.common.off_policy.critics import parameters_only_in, without_weight_gradients
-from sb3_speedups.crossq.batch_renorm import RenormCounts, run_sequential
+from sb3_speedups.crossq.batch_renorm import RenormCounts, StackedRenorm, run_sequential
+from sb3_speedups.crossq.critics import (
+    RenormCritics,
+    renorm_actor_net,
+    renorm_actor_reason,
+    renorm_critics_reason,
+    use_norms,
+)
 from sb3_speedups.sac.critic_loss import MinCriticLoss
-from sb3_speedups.sac.squashed_gaussian import sample_squashed
+from sb3_speedups.sac.squashed_gaussian import SquashedSample, sample_squashed, squashed_backward
 from sb3_speedups.sac.update import SACStepLosses, autograd_ent_coef_step
 
 
@@ -102,9 +110,16 @@ class CrossQUpdate:
         target_entropy: float,
     ) -> None:
         self.policy = policy
-        self.actor_step = FlatOptimizerStep(policy.actor, policy.actor.optimizer)
-        self.critic_step = FlatOptimizerStep(policy.critic, policy.critic.optimizer)
+        # the critics' step by hand where their layers allow (renorm_critics_reason), else through autograd; the
+        # actor's by hand where the critics' is and its layers allow
+        hand = renorm_critics_reason(policy.critic, policy.critic.optimizer) is None
+        self.critics = RenormCritics(policy.critic, policy.critic.optimizer) if hand else None
+        self.critic_step = None if hand else FlatOptimizerStep(policy.critic, policy.critic.optimizer)
+        hand_actor = hand and renorm_actor_reason(policy.actor) is None
+        self.actor_net = renorm_actor_net(policy.actor) if hand_actor else None
+        self.actor_step = None if hand_actor else FlatOptimizerStep(policy.actor, policy.actor.optimizer)
         self.critic_only = parameters_only_in(policy.critic, policy.actor)
+        self._renorm_layers = RenormCounts(policy.actor, policy.critic).layers
         self.log_ent_coef, self.ent_coef_optimizer = log_ent_coef, ent_coef_optimizer
         self.fixed_ent_coef, self.target_entropy = ent_coef, target_entropy
         self.loss = MinCriticLoss()
@@ -112,11 +127,25 @@ class CrossQUpdate:
     def is_bound(self) -> bool:
         """:return: whether the optimizers are still the policy's and their state lives in the flat buffers"""
         actor, critic = self.policy.actor, self.policy.critic
-        return self.actor_step.is_bound(actor.optimizer) and self.critic_step.is_bound(critic.optimizer)
+        if self.critics is not None:
+            critics_bound = self.critics.adam.optimizer is critic.optimizer and self.critics.is_bound()
+        else:
+            critics_bound = self.critic_step is not None and self.critic_step.is_bound(critic.optimizer)
+        if self.actor_net is not None:
+            adam = self.actor_net.adam
+            return adam is not None and adam.optimizer is actor.optimizer and self.actor_net.is_bound() and critics_bound
+        return self.actor_step is not None and self.actor_step.is_bound(actor.optimizer) and critics_bound
 
     def counts(self) -> RenormCounts:
         """:return: the batch-renormalisation layers' step counts, read now (once per ``train()``)"""
-        return RenormCounts(self.policy.actor, self.policy.critic)
+        counts = RenormCounts(layers=self._renorm_layers)
+        if self.critics is not None:
+            self.critics.begin(counts)
+        if self.actor_net is not None:
+            for norm in self.actor_net.chain.norms or []:
+                if isinstance(norm, StackedRenorm):
+                    norm.counts = counts
+        return counts
 
     def _actor(self, obs: th.Tensor, training: bool, counts: RenormCounts) -> tuple[th.Tensor, th.Tensor]:
         """:return: ``actor.action_log_prob(obs)`` with the layers in training (``training``) or evaluation mode"""
@@ -153,29 +182,83 @@ class CrossQUpdate:
         assert ent_coef is not None
         losses.ent_coef.append(ent_coef)
         with th.no_grad():
-            next_actions, next_log_prob = self._actor(data.next_observations, False, counts)
+            if self.actor_net is not None:
+                next_actions, next_log_prob = self._hand_actor(data.next_observations, False)
+            else:
+                next_actions, next_log_prob = self._actor(data.next_observations, False, counts)
         # the joint forward: the batch statistics are those of the mixture of (s, a) and (s', a')
-        all_q = self._critics(
-            th.cat([data.observations, data.next_observations]), th.cat([data.actions, next_actions]), True, counts
-        )
-        with th.no_grad():
-            next_q = self.loss.autograd_target_values([q[b:] for q in all_q]) - ent_coef * next_log_prob.reshape(-1, 1)
+        obs = th.cat([data.observations, data.next_observations])
+        actions = th.cat([data.actions, next_actions])
+        if self.critics is not None:
+            critic = self.policy.critic
+            with th.no_grad():  # a flattened Box: nothing to train in the features
+                features = critic.extract_features(obs, critic.features_extractor)
+            q = self.critics.q_values(th.cat([features, actions], dim=1))
+            next_q = th.amin(q[:, b:], dim=0) - ent_coef * next_log_prob.reshape(-1, 1)
             target = data.rewards + (1 - data.dones) * discounts * next_q
-        critic_loss = self.loss.autograd_loss([q[:b] for q in all_q], target)
-        losses.critic.append(critic_loss.detach())
-        self.critic_step.backward(critic_loss)
-        self.critic_step.step()
+            losses.critic.append(self.critics.joint_step(q, target))
+        else:
+            assert self.critic_step is not None
+            all_q = self._critics(obs, actions, True, counts)
+            with th.no_grad():
+                next_q = self.loss.autograd_target_values([q[b:] for q in all_q])
+                target = data.rewards + (1 - data.dones) * discounts * (next_q - ent_coef * next_log_prob.reshape(-1, 1))
+            critic_loss = self.loss.autograd_loss([q[:b] for q in all_q], target)
+            losses.critic.append(critic_loss.detach())
+            self.critic_step.backward(critic_loss)
+            self.critic_step.step()
         if not update_actor:
             return
+        if self.actor_net is not None:
+            self._hand_actor_step(data.observations, ent_coef, losses)
+            return
+        assert self.actor_step is not None
         actions_pi, log_prob = self._actor(data.observations, True, counts)
         log_prob = log_prob.reshape(-1, 1)
-        if self.log_ent_coef is not None and self.ent_coef_optimizer is not None:
-            losses.ent_coef_loss.append(
-                autograd_ent_coef_step(self.log_ent_coef, self.ent_coef_optimizer, log_prob, self.target_entropy)
-            )
+        self._ent_coef_step(log_prob, losses)
         with without_weight_gradients(self.critic_only):
             value = self.loss.autograd_actor_values(self._critics(data.observations, actions_pi, False, counts))
             actor_loss = (ent_coef * log_prob - value).mean()
             losses.actor.append(actor_loss.detach())
             self.actor_step.backward(actor_loss)
         self.actor_step.step()
+
+    def _ent_coef_step(self, log_prob: th.Tensor, losses: SACStepLosses) -> None:
+        if self.log_ent_coef is not None and self.ent_coef_optimizer is not None:
+            losses.ent_coef_loss.append(
+                autograd_ent_coef_step(self.log_ent_coef, self.ent_coef_optimizer, log_prob, self.target_entropy)
+            )
+
+    def _hand_sample(self, obs: th.Tensor, training: bool) -> SquashedSample:
+        """:return: the actor's sample for ``obs`` (stock's draw) through :attr:`actor_net`, its layers in that mode"""
+        assert self.actor_net is not None
+        actor = self.policy.actor
+        norms = self.actor_net.chain.norms or []
+        use_norms(norms, training)
+        with th.no_grad():  # a flattened Box: nothing to train in the features
+            out = self.actor_net.forward(actor.extract_features(obs, actor.features_extractor))
+        use_norms(norms, True)
+        k = out.shape[1] // 2
+        return sample_squashed(out, th.empty(obs.shape[0], k, device=out.device).normal_())
+
+    def _hand_actor(self, obs: th.Tensor, training: bool) -> tuple[th.Tensor, th.Tensor]:
+        """:return: :meth:`_actor`'s values through :attr:`actor_net`"""
+        sample = self._hand_sample(obs, training)
+        return sample.actions, sample.log_prob.reshape(-1)
+
+    def _hand_actor_step(self, obs: th.Tensor, ent_coef: th.Tensor, losses: SACStepLosses) -> None:
+        """The delayed actor step with hand-derived gradients (the layers in training mode, the critics' in evaluation)."""
+        assert self.actor_net is not None and self.critics is not None
+        critic = self.policy.critic
+        b = obs.shape[0]
+        sample = self._hand_sample(obs, True)
+        with th.no_grad():
+            features = critic.extract_features(obs, critic.features_extractor)
+        log_prob = sample.log_prob
+        self._ent_coef_step(log_prob, losses)
+        self.critics.use(False)
+        value, d_q = self.loss.actor_values(self.critics, th.cat([features, sample.actions], dim=1))
+        losses.actor.append((ent_coef * log_prob - value).mean())
+        d_actions = self.critics.action_grad(d_q)
+        self.critics.use(True)
+        self.actor_net.step(squashed_backward(sample, b, d_actions, ent_coef / b))

@@ -52,8 +52,8 @@ class ParameterMirror:
     :param sources: tensors or parameters to mirror (read afresh at each :meth:`sync`, so a parameter whose
         storage moved is still followed)
     :param device: where the copies live
-    :param keep_order: lay the copies out in the order given (so that neighbours can be viewed as one stacked
-        tensor), instead of in the sources' storage order
+    :param keep_order: lay the copies out packed in the order given (so that neighbours can be viewed as one stacked
+        tensor), instead of in the sources' storage order, each at its source's alignment
     """
 
     def __init__(self, sources: Sequence[th.Tensor], device: th.device | str = "cpu", keep_order: bool = False) -> None:
@@ -65,13 +65,28 @@ class ParameterMirror:
         if not keep_order:
             self._order.sort(key=lambda i: (detached[i].untyped_storage().data_ptr(), detached[i].storage_offset()))
         dtype = detached[0].dtype if detached else th.float32
-        self.flat = th.empty(sum(s.numel() for s in detached), dtype=dtype, device=self.device)
-        self._tiled: _Tiled | None = None
-        self.copies: list[th.Tensor] = [self.flat] * len(detached)
-        offset = 0
+        # Each copy starts at its source's address modulo 64 bytes (zeros pad the gaps): CPU matrix kernels round
+        # differently by their operands' alignment (seen: a 1-row weight's product, by its address modulo 16 bytes),
+        # and acting is to give the module's numbers. Sources that tile one buffer stay one run of copies. Copies
+        # kept in order are packed (neighbours are viewed as one stacked tensor).
+        item = th.empty((), dtype=dtype).element_size()
+        align = 1 if keep_order else max(1, 64 // item)
+        starts, offset = {}, 0
         for i in self._order:
-            self.copies[i] = self.flat[offset : offset + detached[i].numel()].view_as(detached[i])
+            offset += (detached[i].data_ptr() // item - offset) % align
+            starts[i] = offset
             offset += detached[i].numel()
+        self.flat = th.zeros(offset + align, dtype=dtype, device=self.device)
+        shift = (-(self.flat.data_ptr() // item)) % align  # where the buffer's first 64-byte boundary is
+        self._tiled: _Tiled | None = None
+        #: the sources' addresses when they did not tile one buffer
+        self._untiled: list[int] | None = None
+        self.copies: list[th.Tensor] = [self.flat] * len(detached)
+        for i in self._order:
+            start = shift + starts[i]
+            self.copies[i] = self.flat[start : start + detached[i].numel()].view_as(detached[i])
+        #: the copies from the first to the last (one run when the sources tile one buffer)
+        self.run = self.flat[shift + starts[self._order[0]] : shift + offset] if detached else self.flat[:0]
         self.sync()
 
     def _tiling(self, sources: list[th.Tensor]) -> th.Tensor | None:
@@ -94,7 +109,10 @@ class ParameterMirror:
         # The sources still where the tiling was found: the view keeps that storage alive, so equal addresses can
         # only be the same tensors (a moved or replaced parameter has a new address).
         if tiled is not None and list(map(th.Tensor.data_ptr, self.sources)) == tiled.pointers:
-            self.flat.copy_(tiled.flat)
+            self.run.copy_(tiled.flat)
+            return
+        if self._untiled is not None and list(map(th.Tensor.data_ptr, self.sources)) == self._untiled:
+            self._copy_each([s.detach() for s in self.sources])  # still where no tiling was found
             return
         self._sync_and_find_tiling()
 
@@ -105,9 +123,15 @@ class ParameterMirror:
         sources = [s.detach() for s in self.sources]
         flat = self._tiling(sources)
         self._tiled = None if flat is None else _Tiled(list(map(th.Tensor.data_ptr, sources)), flat)
+        self._untiled = list(map(th.Tensor.data_ptr, sources)) if flat is None else None
         if flat is not None:
-            self.flat.copy_(flat)
-        elif all(s.device == self.device for s in sources):
+            self.run.copy_(flat)
+        else:
+            self._copy_each(sources)
+
+    def _copy_each(self, sources: list[th.Tensor]) -> None:
+        """Copy each source into its copy (sources that do not tile one buffer)."""
+        if all(s.device == self.device for s in sources):
             th._foreach_copy_(self.copies, sources)
         else:
             for copy_, source in zip(self.copies, sources, strict=True):

@@ -10,8 +10,9 @@ layer over their stacked views (:class:`MlpChain`); :mod:`sb3_speedups.common.nn
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch as th
@@ -19,7 +20,22 @@ import torch as th
 from sb3_speedups.common.nn.mlp import NONE, Mlp, biases, stack
 from sb3_speedups.common.nn.flat import FlatParameters
 
-__all__ = ["MlpChain"]
+__all__ = ["InputNorm", "MlpChain"]
+
+
+class InputNorm(Protocol):
+    """
+    A normalisation of a layer's input inside an :class:`MlpChain` (CrossQ's batch renormalisation), with its own kept
+    state: the chain calls :meth:`backward` after :meth:`forward` on the same rows.
+    """
+
+    def forward(self, x: th.Tensor) -> th.Tensor:
+        """:return: the normalised block of ``x`` (``[n, F]`` or ``[G, n, F]``, possibly an expanded view)"""
+        ...
+
+    def backward(self, grad: th.Tensor, input_grad: bool) -> th.Tensor | None:
+        """Write the parameters' gradients given the output's gradient; :return: the input's (when ``input_grad``)"""
+        ...
 
 
 @dataclass
@@ -78,9 +94,12 @@ class MlpChain:
         by one kind with a hand-derived backward (:meth:`~sb3_speedups.common.nn.mlp.Mlp.trainable_reason`); with a
         one-hot input (:attr:`~sb3_speedups.common.nn.mlp.Mlp.one_hot`) the input is its hot columns, and the first
         layer a gather
+    :param norms: a normalisation (or ``None``) of each layer's input, then one of the last activations (the
+        output), each taking the blocks the products take (``[n, F]`` for one network, else ``[G, n, F]``); the
+        networks then back-propagate all the forward's rows (no :meth:`forward_tangent`)
     """
 
-    def __init__(self, flat: FlatParameters, mlps: list[Mlp]) -> None:
+    def __init__(self, flat: FlatParameters, mlps: list[Mlp], norms: Sequence[InputNorm | None] | None = None) -> None:
         data = stack(mlps, flat.stacked)
         grads = stack(mlps, lambda tensors: flat.stacked(tensors, grad=True))
         activation = mlps[0].activation or NONE  # (no layers: none runs)
@@ -95,6 +114,12 @@ class MlpChain:
         self.grad_weights = [layer.weight for layer in grads.layers]
         self.grad_biases = biases(grads.layers)
         self.grad_weights_t = [g.transpose(1, 2) for g in self.grad_weights]
+        if norms is not None and (len(norms) != len(self.weights) + 1 or mlps[0].one_hot is not None):
+            raise ValueError("norms needs one entry per layer and one for the output, and float inputs")
+        self.norms = None if norms is None else list(norms)
+        #: what each layer's product took and the output, in the last forward with norms
+        self._normed: list[th.Tensor] = []
+        self._output = th.empty(0)
         # One network runs on 2-D views with mm/addmm; several on 3-D ones with bmm/baddbmm.
         single = self.groups == 1
         self._mat = _first if single else _whole
@@ -120,8 +145,9 @@ class MlpChain:
     @th.inference_mode(False)
     def _workspace(self, n: int, x: th.Tensor) -> _Workspace:
         # Allocated as normal tensors even when the update runs under inference mode, so they work in any mode.
-        acts = [th.empty(self.groups, n, w.shape[1], device=x.device) for w in self.weights]
-        grads = [th.empty(self.groups, n, w.shape[1], device=x.device) for w in self.weights]
+        dtype = self.weights[0].dtype
+        acts = [th.empty(self.groups, n, w.shape[1], dtype=dtype, device=x.device) for w in self.weights]
+        grads = [th.empty(self.groups, n, w.shape[1], dtype=dtype, device=x.device) for w in self.weights]
         numpy = self.activation.numpy_on_cpu and x.device.type == "cpu"
         acts_t = [buffer.transpose(1, 2) for buffer in acts]
         grads_t = [buffer.transpose(1, 2) for buffer in grads]
@@ -150,10 +176,12 @@ class MlpChain:
         if not self.weights:
             return x.expand(self.groups, n, x.shape[1])
         if given is None or given.x is not x:
-            as_given = self.groups == 1 or self.one_hot is not None  # a gather of stacked weights gives [G, n, out]
+            as_given = self._row_dim == 0 or self.one_hot is not None  # a gather of stacked weights gives [G, n, out]
             given = self._input = _Input(x, x if as_given else x.expand(self.groups, n, x.shape[1]))
         ws = self.ws.get(n) or self._workspace(n, x)
         h, arrays = given.h_m, ws.arrays
+        if self.norms is not None:
+            return self._forward_normed(h, ws)
         if arrays is None:
             for affine, w_t, b, out in zip(self._affines, self._weights_t_m, self._biases_m, ws.acts_m, strict=True):
                 h = self._activate_(affine(b, h, w_t, out=out))
@@ -164,6 +192,47 @@ class MlpChain:
             h = affine(b, h, w_t, out=out)
             numpy_(array)  # the activation on numpy views made once
         return ws.acts[-1]
+
+    def _forward_normed(self, h: th.Tensor, ws: _Workspace) -> th.Tensor:
+        """:meth:`forward` with :attr:`norms`, keeping what each layer's product took in :attr:`_normed`"""
+        assert self.norms is not None
+        normed = self._normed = []
+        for k, (w_t, b, out) in enumerate(zip(self._weights_t_m, self._biases_m, ws.acts_m, strict=True)):
+            norm = self.norms[k]
+            h = h if norm is None else norm.forward(h)
+            normed.append(h)
+            h = self._activate_(self._addmm(b, h, w_t, out=out))
+        last = self.norms[-1]
+        normed.append(h if last is None else last.forward(h))
+        self._output = normed[-1] if normed[-1].dim() == 3 else normed[-1].unsqueeze(0)
+        return self._output
+
+    def output(self, n: int) -> th.Tensor:
+        """:return: what the last forward of ``n`` rows returned (``[G, n, out]``)"""
+        return self._output if self.norms is not None else self.ws[n].acts[-1]
+
+    def _backward_normed(self, d: th.Tensor) -> None:
+        """:meth:`backward` with :attr:`norms`, over all the rows of the last forward (``d`` is the output's gradient)"""
+        assert self.norms is not None
+        ws, backward_, mm, normed = self.ws[d.shape[-2]], self._backward, self._mm, self._normed
+        d = self._mat(d)
+        last = self.norms[-1]
+        if last is not None:
+            d = last.backward(d, True)  # type: ignore[assignment]
+        for k in range(len(self.weights) - 1, -1, -1):
+            backward_(d, ws.acts_m[k])
+            gw = self._grad_weights_m[k]
+            if gw.shape[-1] < gw.shape[-2]:  # as in backward: the transposed product of a narrow input
+                self._grad_weights_t_m[k].copy_(mm(normed[k].mT, d))
+            else:
+                mm(d.mT, normed[k], out=gw)
+            th.sum(d, self._row_dim, out=self._grad_biases_m[k])
+            norm = self.norms[k]
+            if k > 0:
+                d = mm(d, self._weights_m[k], out=ws.grads_m[k - 1])
+                d = d if norm is None else norm.backward(d, True)  # type: ignore[assignment]
+            elif norm is not None:  # (its transpose: a product to a narrow input is a poor GEMM shape)
+                norm.backward(mm(self._weights_t_m[0], d.mT).mT, False)
 
     def _activate_(self, x: th.Tensor) -> th.Tensor:
         """Apply the activation in place: numpy's kernel on contiguous CPU tensors where it is the faster one."""
@@ -180,6 +249,11 @@ class MlpChain:
         :param n: the row count of that forward, when it ran more rows than ``d_last`` has (an off-policy actor runs
             the observations and the next observations in one forward and back-propagates the first half only)
         """
+        if self.norms is not None:
+            if n is not None and n != d_last.shape[1]:
+                raise ValueError("a chain with norms back-propagates all the rows of its forward")
+            self._backward_normed(d_last)
+            return
         ws, h, h_t = self._rows(d_last, n)
         backward_, mm = self._backward, self._mm
         if d_last is ws.grads[-1]:
@@ -235,20 +309,30 @@ class MlpChain:
         Back-propagate to the input only (no weight gradients): what a loss that trains another network through
         this one needs (an off-policy actor's loss through the critics).
 
-        :param d_last: gradient of the last activations ``[G, n, out]`` of the last forward (overwritten)
+        :param d_last: gradient of the last activations (the output, with norms) ``[G, n, out]`` of the last forward
+            (overwritten)
         :param columns: the input columns whose gradient is wanted
         :return: the gradient of those input columns ``[G, n, len(columns)]`` (a new tensor)
         """
         if self.one_hot is not None:
             raise ValueError("a one-hot input has no gradient")
         ws, backward_, mm = self.ws[d_last.shape[1]], self._backward, self._mm
+        norms = self.norms or [None] * (len(self.weights) + 1)
         d = ws.grads_m[-1] if d_last is ws.grads[-1] else self._mat(d_last)
+        if norms[-1] is not None:
+            d = norms[-1].backward(d, True)  # type: ignore[assignment]
         for k in range(len(self.weights) - 1, 0, -1):
             backward_(d, ws.acts_m[k])
             d = mm(d, self._weights_m[k], out=ws.grads_m[k - 1])
+            if norms[k] is not None:
+                d = norms[k].backward(d, True)  # type: ignore[assignment,union-attr]
         backward_(d, ws.acts_m[0])
-        d_input = mm(d, self._weights_m[0][..., columns])
-        return d_input.unsqueeze(0) if self.groups == 1 else d_input
+        first = norms[0]
+        if first is None:
+            d_input = mm(d, self._weights_m[0][..., columns])
+        else:
+            d_input = first.backward(mm(self._weights_t_m[0], d.mT).mT, True)[..., columns]  # type: ignore[index]
+        return d_input.unsqueeze(0) if d_input.dim() == 2 else d_input
 
     def forward_tangent(self, n: int) -> th.Tensor | None:
         """
@@ -262,6 +346,8 @@ class MlpChain:
         """
         if not self.weights:
             return None
+        if self.norms is not None:
+            raise ValueError("a chain with norms has no tangent")
         ws, given = self.ws[n], self._input
         assert given is not None, "tangent before forward"
         h = given.h_m

@@ -7,13 +7,15 @@ deterministic action before its tanh) is the algorithm's: it gives the gradient 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch as th
 from torch import nn
 
 from sb3_speedups.common.nn.flat import FlatParameters
 from sb3_speedups.common.nn.mlp import Mlp
 from sb3_speedups.common.nn.optim import FlatAdam
-from sb3_speedups.common.nn.training import MlpChain
+from sb3_speedups.common.nn.training import InputNorm, MlpChain
 
 
 class ActorNet:
@@ -24,6 +26,8 @@ class ActorNet:
         ``log_std``, so one product gives both)
     :param head_biases: their biases, in the same order
     :param optimizer: the actor's Adam, or ``None`` for a target copy (forward only)
+    :param norms: makes the hidden layers' input norms from the flat buffer (:class:`MlpChain`'s ``norms``; CrossQ's
+        batch renormalisation)
     """
 
     def __init__(
@@ -33,11 +37,21 @@ class ActorNet:
         head_weights: list[th.Tensor],
         head_biases: list[th.Tensor],
         optimizer: th.optim.Optimizer | None,
+        norms: Callable[[FlatParameters], Sequence[InputNorm | None]] | None = None,
     ) -> None:
-        layout = [*hidden.tensors(), *head_weights, *head_biases]
+        # the module's order (the frozen acting copy's: products of equally aligned operands round alike), but the
+        # heads' weights side by side, then their biases, where the first of them is
+        heads = [*head_weights, *head_biases]
+        in_heads = {id(t) for t in heads}
+        layout: list[th.Tensor] = []
+        for p in module.parameters():
+            if id(p) not in in_heads:
+                layout.append(p)
+            elif not any(id(t) in in_heads for t in layout):
+                layout += heads
         self.flat = FlatParameters(list(module.parameters()), layout)
         self.adam = None if optimizer is None else FlatAdam(self.flat, optimizer)
-        self.chain = MlpChain(self.flat, [hidden])
+        self.chain = MlpChain(self.flat, [hidden], None if norms is None else norms(self.flat))
         width = head_weights[0].shape[1]
         self.weight = self.flat.stacked(head_weights).view(-1, width)
         self.weight_t = self.weight.t()
@@ -69,7 +83,7 @@ class ActorNet:
         :param d_out: the loss's gradient with respect to the first ``rows`` rows of the last forward's output
         """
         rows, n = d_out.shape[0], self._n
-        latent = self.chain.ws[n].acts[-1][0, :rows]
+        latent = self.chain.output(n)[0, :rows]
         th.mm(d_out.t(), latent, out=self.grad_weight)
         th.sum(d_out, 0, out=self.grad_bias)
         d_latent = self._d_latent.get((n, rows))

@@ -171,7 +171,8 @@ class _Head:
     grad_bias: th.Tensor
 
 
-def _head(flat: FlatParameters, mlps: Sequence[Mlp], count: int) -> _Head:
+def stacked_head(flat: FlatParameters, mlps: Sequence[Mlp], count: int) -> _Head:
+    """:return: the output layers of the first ``count`` networks, stacked, as views of ``flat``"""
     last = [m.layers[-1] for m in mlps[:count]]
     weight = flat.stacked([lay.weight for lay in last])
     bias = flat.stacked([lay.bias for lay in last if lay.bias is not None]).unsqueeze(1)
@@ -218,9 +219,9 @@ class StackedCritics:
         # the first critic alone, on the same views (TD3's and DDPG's actor loss reads only it)
         self.first_chain = MlpChain(self.flat, [mlps[0].head()[0]])
         self.target_chain = MlpChain(self.target_flat, [m.head()[0] for m in target_mlps])
-        self.head = _head(self.flat, mlps, self.groups)
-        self.first_head = _head(self.flat, mlps, 1)
-        self.target_head = _head(self.target_flat, target_mlps, self.groups)
+        self.head = stacked_head(self.flat, mlps, self.groups)
+        self.first_head = stacked_head(self.flat, mlps, 1)
+        self.target_head = stacked_head(self.target_flat, target_mlps, self.groups)
         self._q: dict[tuple[int, int], th.Tensor] = {}
 
     def is_bound(self) -> bool:
@@ -274,12 +275,17 @@ class StackedCritics:
         """
         n = d_q.shape[1]
         head = self.head
-        th.bmm(d_q.transpose(1, 2), self.chain.ws[n].acts[-1], out=head.grad_weight)
+        th.bmm(d_q.transpose(1, 2), self.chain.output(n), out=head.grad_weight)
         th.sum(d_q, 1, out=head.grad_bias)
-        d_last = self.chain.last_grad(n)
-        th.bmm(d_q, head.weight, out=d_last)
-        self.chain.backward(d_last)
+        self.chain.backward(self._head_backward(head, d_q, self.chain))
         self.adam.step()
+
+    def _head_backward(self, head: _Head, d_q: th.Tensor, chain: MlpChain) -> th.Tensor:
+        """:return: the gradient of the chain's output, ``d_q @ weight``, in its buffer"""
+        d_last = chain.last_grad(d_q.shape[1])
+        if self.width == 1:  # an outer product: one multiplication per entry, as the product's, and faster
+            return th.mul(d_q, head.weight, out=d_last)
+        return th.bmm(d_q, head.weight, out=d_last)
 
     def action_grad(self, d_q: th.Tensor, first: bool = False) -> th.Tensor:
         """
@@ -289,8 +295,7 @@ class StackedCritics:
             critics' current weights (no weight gradients are computed)
         """
         chain, head = (self.first_chain, self.first_head) if first else (self.chain, self.head)
-        d_last = th.bmm(d_q, head.weight, out=chain.last_grad(d_q.shape[1]))
-        d_actions = chain.backward_input(d_last, slice(self.obs_dim, None))
+        d_actions = chain.backward_input(self._head_backward(head, d_q, chain), slice(self.obs_dim, None))
         return d_actions[0] if d_actions.shape[0] == 1 else d_actions.sum(0)
 
     def polyak(self, tau: float) -> None:
