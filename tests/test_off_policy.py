@@ -84,8 +84,9 @@ def test_hand_derived_gradients_equal_stock_autograd(ours_cls: type, stock_cls: 
     updater = speed.updater
     assert updater is not None
     names = {"actor": (updater.actor.adam, stock.actor.optimizer), "critic": (updater.critics.adam, stock.critic.optimizer)}
-    if getattr(updater, "ent_adam", None) is not None:
-        names["ent_coef"] = (updater.ent_adam, stock.ent_coef_optimizer)
+    ent = getattr(updater, "ent", None)
+    if ent is not None and ent.adam is not None:
+        names["ent_coef"] = (ent.adam, stock.ent_coef_optimizer)
     logs: dict[str, tuple[list[th.Tensor], list[th.Tensor]]] = {}
     for name, (adam, optimizer) in names.items():
         logs[name] = ([], [])

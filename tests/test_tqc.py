@@ -54,8 +54,8 @@ def test_hand_derived_gradients_equal_stock_autograd(kwargs: dict) -> None:
     updater = ours._ensure_speedups().updater
     assert isinstance(updater, HandDerivedSACUpdate)
     names = {"actor": (updater.actor.adam, stock.actor.optimizer), "critic": (updater.critics.adam, stock.critic.optimizer)}
-    if updater.ent_adam is not None:
-        names["ent_coef"] = (updater.ent_adam, stock.ent_coef_optimizer)
+    if updater.ent.adam is not None:
+        names["ent_coef"] = (updater.ent.adam, stock.ent_coef_optimizer)
     logs: dict[str, tuple[list[th.Tensor], list[th.Tensor]]] = {}
     for name, (adam, optimizer) in names.items():
         assert adam is not None

@@ -42,7 +42,7 @@ from sb3_speedups.crossq.critics import (
 )
 from sb3_speedups.sac.critic_loss import MinCriticLoss
 from sb3_speedups.sac.squashed_gaussian import SquashedSample, sample_squashed, squashed_backward
-from sb3_speedups.sac.update import SACStepLosses, autograd_ent_coef_step
+from sb3_speedups.sac.update import EntCoef, SACStepLosses, autograd_ent_coef_step
 
 
 def _layers_reason(net: nn.Module, name: str) -> str | None:
@@ -118,6 +118,8 @@ class CrossQUpdate:
         hand_actor = hand and renorm_actor_reason(policy.actor) is None
         self.actor_net = renorm_actor_net(policy.actor) if hand_actor else None
         self.actor_step = None if hand_actor else FlatOptimizerStep(policy.actor, policy.actor.optimizer)
+        # the hand path's entropy coefficient is SAC's (the learned one on a flat buffer, its gradient by hand)
+        self.ent = EntCoef(log_ent_coef, ent_coef_optimizer, ent_coef, target_entropy) if hand_actor else None
         self.critic_only = parameters_only_in(policy.critic, policy.actor)
         self._renorm_layers = RenormCounts(policy.actor, policy.critic).layers
         self.log_ent_coef, self.ent_coef_optimizer = log_ent_coef, ent_coef_optimizer
@@ -133,7 +135,8 @@ class CrossQUpdate:
             critics_bound = self.critic_step is not None and self.critic_step.is_bound(critic.optimizer)
         if self.actor_net is not None:
             adam = self.actor_net.adam
-            return adam is not None and adam.optimizer is actor.optimizer and self.actor_net.is_bound() and critics_bound
+            bound = adam is not None and adam.optimizer is actor.optimizer and self.actor_net.is_bound()
+            return bound and self.ent is not None and self.ent.is_bound() and critics_bound
         return self.actor_step is not None and self.actor_step.is_bound(actor.optimizer) and critics_bound
 
     def counts(self) -> RenormCounts:
@@ -178,9 +181,13 @@ class CrossQUpdate:
         """
         b = data.observations.shape[0]
         discounts = data.discounts if data.discounts is not None else gamma
-        ent_coef = th.exp(self.log_ent_coef.detach()) if self.log_ent_coef is not None else self.fixed_ent_coef
-        assert ent_coef is not None
-        losses.ent_coef.append(ent_coef)
+        if self.ent is not None:
+            ent_coef = self.ent.value(losses)
+        else:
+            fixed = th.exp(self.log_ent_coef.detach()) if self.log_ent_coef is not None else self.fixed_ent_coef
+            assert fixed is not None
+            losses.ent_coef.append(fixed)
+            ent_coef = fixed
         with th.no_grad():
             if self.actor_net is not None:
                 next_actions, next_log_prob = self._hand_actor(data.next_observations, False)
@@ -255,7 +262,8 @@ class CrossQUpdate:
         with th.no_grad():
             features = critic.extract_features(obs, critic.features_extractor)
         log_prob = sample.log_prob
-        self._ent_coef_step(log_prob, losses)
+        assert self.ent is not None
+        self.ent.step(log_prob, losses)
         self.critics.use(False)
         value, d_q = self.loss.actor_values(self.critics, th.cat([features, sample.actions], dim=1))
         losses.actor.append((ent_coef * log_prob - value).mean())

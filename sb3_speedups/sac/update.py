@@ -84,6 +84,56 @@ def autograd_ent_coef_step(
     return loss.detach()
 
 
+class EntCoef:
+    """
+    SAC's entropy coefficient (TQC's, CrossQ's): the fixed one, or the learned one on a flat buffer, its loss's
+    gradient by hand and the fused Adam (building it moves ``log_ent_coef`` into the buffer).
+
+    :param log_ent_coef: the learned log entropy coefficient, or ``None`` when it is fixed
+    :param optimizer: its Adam (with ``log_ent_coef``)
+    :param fixed: the fixed entropy coefficient (a 0-dim tensor), when not learned
+    :param target_entropy: the entropy target of the learned coefficient
+    """
+
+    def __init__(
+        self,
+        log_ent_coef: th.Tensor | None,
+        optimizer: th.optim.Optimizer | None,
+        fixed: th.Tensor | None,
+        target_entropy: float,
+    ) -> None:
+        self.flat: FlatParameters | None = None
+        self.adam: FlatAdam | None = None
+        if log_ent_coef is not None and optimizer is not None:
+            self.flat = FlatParameters([log_ent_coef])
+            self.adam = FlatAdam(self.flat, optimizer)
+        self.fixed, self.target_entropy = fixed, target_entropy
+
+    def is_bound(self) -> bool:
+        """:return: whether the learned coefficient and its optimizer state still live in the flat buffers"""
+        return self.flat is None or (self.flat.is_bound() and self.adam is not None and self.adam.is_bound())
+
+    def value(self, losses: SACStepLosses) -> th.Tensor:
+        """:return: the coefficient now (``[1]``; kept in ``losses``)"""
+        if self.flat is None:
+            assert self.fixed is not None
+            losses.ent_coef.append(self.fixed)
+            return self.fixed
+        ent_coef = th.exp(self.flat.data)
+        losses.ent_coef.append(ent_coef)
+        return ent_coef
+
+    def step(self, log_prob: th.Tensor, losses: SACStepLosses) -> None:
+        """One step of the learned coefficient on stock's loss ``-mean(log_ent_coef * (log_prob + target_entropy))``."""
+        if self.flat is None or self.adam is None:
+            return
+        shifted = log_prob + self.target_entropy
+        losses.ent_coef_loss.append(-(self.flat.data * shifted).mean())
+        # d/d log_ent_coef of -mean(log_ent_coef * (log_prob + target_entropy))
+        th.sum(shifted * (-1.0 / shifted.shape[0]), dim=0, out=self.flat.grad)
+        self.adam.step()
+
+
 @dataclass
 class SACStepLosses:
     """Per gradient step values of one ``train()`` call, kept as tensors (read once at its end)."""
@@ -145,34 +195,18 @@ class HandDerivedSACUpdate:
         self.actor = ActorNet(actor, hidden, [mu.weight, log_std.weight], [mu.bias, log_std.bias], actor.optimizer)
         self.critics = StackedCritics(policy.critic, policy.critic_target, policy.critic.optimizer, self.loss.critic_class)
         self.action_dim = mu.out_features
-        self.ent_flat: FlatParameters | None = None
-        self.ent_adam: FlatAdam | None = None
-        if log_ent_coef is not None and ent_coef_optimizer is not None:
-            self.ent_flat = FlatParameters([log_ent_coef])
-            self.ent_adam = FlatAdam(self.ent_flat, ent_coef_optimizer)
-        self.fixed_ent_coef = ent_coef
-        self.target_entropy = target_entropy
+        self.ent = EntCoef(log_ent_coef, ent_coef_optimizer, ent_coef, target_entropy)
         self._noise: dict[int, th.Tensor] = {}
 
     def is_bound(self) -> bool:
         """:return: whether every parameter and optimizer state still lives in the flat buffers"""
-        ent = self.ent_flat is None or (self.ent_flat.is_bound() and self.ent_adam is not None and self.ent_adam.is_bound())
+        ent = self.ent.is_bound()
         return self.actor.is_bound() and self.critics.is_bound() and ent
 
     def _ent_coef(self, log_prob: th.Tensor, losses: SACStepLosses) -> th.Tensor:
-        """:return: this step's entropy coefficient (``[1]``), after stepping the learned one as stock does"""
-        if self.ent_flat is None or self.ent_adam is None:
-            assert self.fixed_ent_coef is not None
-            losses.ent_coef.append(self.fixed_ent_coef)
-            return self.fixed_ent_coef
-        log_ent_coef = self.ent_flat.data
-        ent_coef = th.exp(log_ent_coef)  # read before the step below changes log_ent_coef
-        losses.ent_coef.append(ent_coef)
-        shifted = log_prob + self.target_entropy
-        losses.ent_coef_loss.append(-(log_ent_coef * shifted).mean())
-        # d/d log_ent_coef of -mean(log_ent_coef * (log_prob + target_entropy))
-        th.sum(shifted * (-1.0 / shifted.shape[0]), dim=0, out=self.ent_flat.grad)
-        self.ent_adam.step()
+        """:return: this step's entropy coefficient (``[1]``), read before stepping the learned one as stock does"""
+        ent_coef = self.ent.value(losses)
+        self.ent.step(log_prob, losses)
         return ent_coef
 
     def _noise_buffer(self, n: int, device: th.device) -> th.Tensor:
