@@ -95,10 +95,10 @@ class CrossQUpdate:
     critics' parameters into flat buffers.
 
     :param policy: the CrossQ policy
-    :param log_ent_coef: the learned log entropy coefficient, or ``None`` when it is fixed
-    :param ent_coef_optimizer: its Adam (with ``log_ent_coef``)
-    :param ent_coef: the fixed entropy coefficient (a 0-dim tensor), when not learned
-    :param target_entropy: the entropy target of the learned coefficient
+    :param log_ent_coef: as :class:`~sb3_speedups.sac.update.EntCoef`'s
+    :param ent_coef_optimizer: as :class:`~sb3_speedups.sac.update.EntCoef`'s ``optimizer``
+    :param ent_coef: as :class:`~sb3_speedups.sac.update.EntCoef`'s ``fixed``
+    :param target_entropy: as :class:`~sb3_speedups.sac.update.EntCoef`'s
     """
 
     def __init__(
