@@ -95,6 +95,9 @@ CASES = [
         True,
         id="renorm-3step",
     ),
+    # one critic (the stacked norms of one layer view its own buffers); no BatchRenorm layers at all
+    pytest.param({"policy_delay": 1, "policy_kwargs": dict(net_arch=[32, 32], n_critics=1)}, 1, True, id="renorm-1-critic"),
+    pytest.param({"policy_kwargs": dict(net_arch=[32, 16], batch_norm=False)}, 4, False, id="no-batch-norm"),
 ]
 
 
