@@ -13,7 +13,8 @@ from sb3_speedups.common.nn.flat import FlatParameters
 from sb3_speedups.common.nn.mlp import parse_mlp
 from sb3_speedups.common.nn.actor_critic_mlp import ActorCriticMlp
 from sb3_speedups.common.nn.heads import make_head, sample_one_per_row
-from sb3_speedups.common.acting.actors import FrozenActorCritic, TorchMlp, ModuleActorCritic, ParameterMirror
+from sb3_speedups.common.acting.actors import FrozenActorCritic, TorchMlp, ModuleActorCritic
+from sb3_speedups.common.acting.mirror import ParameterMirror
 
 ACTION_SPACES = {
     "discrete": spaces.Discrete(3),

@@ -32,7 +32,7 @@ import torch as th
 from stable_baselines3.common.noise import ActionNoise
 from stable_baselines3.common.type_aliases import ReplayBufferSamples, Schedule
 
-from sb3_speedups.common.acting.actors import ParameterMirror
+from sb3_speedups.common.acting.mirror import ParameterMirror
 from sb3_speedups.common.acting.torch_mlp import TorchMlp
 from sb3_speedups.common.fast_model import FastModel
 from sb3_speedups.common.nn.blocked import BlockedMlpForward, forward_in_blocks

@@ -23,7 +23,8 @@ from stable_baselines3.sac.policies import Actor as SACActor
 from stable_baselines3.td3.policies import Actor as TD3Actor
 from torch import nn
 
-from sb3_speedups.common.acting.actors import ParameterMirror, box_env_actions
+from sb3_speedups.common.acting.actors import box_env_actions
+from sb3_speedups.common.acting.mirror import ParameterMirror
 from sb3_speedups.common.acting.torch_mlp import TorchMlp
 from sb3_speedups.common.nn.inputs import float_rows_unless_box
 
