@@ -86,6 +86,7 @@ CASES: dict[str, Case] = {
         Case("ppo_mask_knapsack", "ppo_mask", "MaskedKnapsack-v0", "hyperparams/ppo_mask.yml", 10_000),
         Case("tqc_pendulum", "tqc", "Pendulum-v1", "hyperparams/tqc.yml", 1_000),
         Case("qrdqn_cartpole", "qrdqn", "CartPole-v1", "hyperparams/qrdqn.yml", 10_000),
+        Case("crossq_pendulum", "crossq", "Pendulum-v1", "hyperparams/crossq.yml", 1_000),
     )
 }
 

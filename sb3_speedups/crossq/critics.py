@@ -85,6 +85,13 @@ def use_norms(norms: Sequence[InputNorm | None], training: bool) -> None:
             norm.training = training
 
 
+def count_norms(norms: Sequence[InputNorm | None], counts: RenormCounts) -> None:
+    """Give the :class:`StackedRenorm` layers among ``norms`` this ``train()`` call's step counts (the warm-up test)."""
+    for norm in norms:
+        if isinstance(norm, StackedRenorm):
+            norm.counts = counts
+
+
 def renorm_actor_reason(actor: Actor) -> str | None:
     """:return: why :func:`renorm_actor_net` cannot take CrossQ's ``actor`` (checked as for the update), or ``None``"""
     found = parse_renorm_mlp(actor.latent_pi)
@@ -160,9 +167,7 @@ class RenormCritics(StackedCritics):
 
     def begin(self, counts: RenormCounts) -> None:
         """Take this ``train()`` call's step counts (the warm-up test reads them, not the ``steps`` buffers)."""
-        for norm in self.norms:
-            if norm is not None:
-                norm.counts = counts
+        count_norms(self.norms, counts)
 
     def use(self, training: bool) -> None:
         """Run the batch-renormalisation layers in training (batch statistics) or evaluation mode from now on."""

@@ -32,9 +32,10 @@ from torch import nn
 
 from sb3_speedups.common.nn.optim import FlatOptimizerStep
 from sb3_speedups.common.off_policy.critics import parameters_only_in, without_weight_gradients
-from sb3_speedups.crossq.batch_renorm import RenormCounts, StackedRenorm, run_sequential
+from sb3_speedups.crossq.batch_renorm import RenormCounts, run_sequential
 from sb3_speedups.crossq.critics import (
     RenormCritics,
+    count_norms,
     renorm_actor_net,
     renorm_actor_reason,
     renorm_critics_reason,
@@ -145,9 +146,7 @@ class CrossQUpdate:
         if self.critics is not None:
             self.critics.begin(counts)
         if self.actor_net is not None:
-            for norm in self.actor_net.chain.norms or []:
-                if isinstance(norm, StackedRenorm):
-                    norm.counts = counts
+            count_norms(self.actor_net.chain.norms or [], counts)
         return counts
 
     def _actor(self, obs: th.Tensor, training: bool, counts: RenormCounts) -> tuple[th.Tensor, th.Tensor]:

@@ -44,11 +44,13 @@ class ActorNet:
         heads = [*head_weights, *head_biases]
         in_heads = {id(t) for t in heads}
         layout: list[th.Tensor] = []
+        placed = False
         for p in module.parameters():
             if id(p) not in in_heads:
                 layout.append(p)
-            elif not any(id(t) in in_heads for t in layout):
+            elif not placed:
                 layout += heads
+                placed = True
         self.flat = FlatParameters(list(module.parameters()), layout)
         self.adam = None if optimizer is None else FlatAdam(self.flat, optimizer)
         self.chain = MlpChain(self.flat, [hidden], None if norms is None else norms(self.flat))
