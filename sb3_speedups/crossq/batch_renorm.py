@@ -69,6 +69,36 @@ class BatchStatistics:
     d: th.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class RenormConstants:
+    """
+    A layer's numbers as kept 0-dim tensors of its input's dtype: an op given a Python number wraps and converts it at
+    every call, and the statistics' ops are many and small (the same values: a float32 op casts the number to float32).
+    """
+
+    eps: th.Tensor
+    momentum: th.Tensor
+    #: the row count ``n``, and ``n - 1``
+    n: th.Tensor
+    n_minus_1: th.Tensor
+
+
+_CONSTANTS: dict[tuple[float, float, int, th.device, th.dtype], RenormConstants] = {}
+
+
+def renorm_constants(layer: BatchRenorm1d, x: th.Tensor) -> RenormConstants:
+    """:return: the constants of ``layer`` for inputs shaped and typed as ``x`` (rows on dimension ``-2``), made once"""
+    n = x.shape[-2]
+    key = (layer.eps, layer.momentum, n, x.device, x.dtype)
+    found = _CONSTANTS.get(key)
+    if found is None:
+        with th.inference_mode(False):  # normal tensors, usable in any mode
+            values = (layer.eps, layer.momentum, n, n - 1)
+            made = (th.tensor(float(v), dtype=x.dtype, device=x.device) for v in values)
+            found = _CONSTANTS[key] = RenormConstants(*made)
+    return found
+
+
 @dataclass
 class RenormBuffers:
     """
@@ -89,21 +119,22 @@ class RenormBuffers:
         return cls(*(th.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(4)))
 
 
-@th.no_grad()
 def batch_statistics(
     x: th.Tensor,
     ra_mean: th.Tensor,
     ra_var: th.Tensor,
     warm: bool,
     layer: BatchRenorm1d,
+    constants: RenormConstants,
     buffers: RenormBuffers | None = None,
 ) -> BatchStatistics:
     """
-    :param x: the input, rows on dimension ``-2``
+    :param x: the input, rows on dimension ``-2`` (not tracked by autograd)
     :param ra_mean: the running mean, ``[..., 1, F]``, updated in place (as the module updates its own)
     :param ra_var: the running variance, likewise
     :param warm: past the warm-up (``steps > warmup_steps``): renormalise with the running statistics
     :param layer: the layer (or one of the ``G``) whose hyperparameters these are
+    :param constants: its :func:`renorm_constants` for ``x``
     :param buffers: where to write the centred block and the temporary
     :return: the batch statistics of ``x``
     """
@@ -114,13 +145,14 @@ def batch_statistics(
     else:
         centred = th.sub(x, batch_mean, out=buffers.centred)
         square = th.mul(centred, centred, out=buffers.scratch)
-    stats = BatchStatistics(centred, batch_mean, th.sum(square, dim=-2, keepdim=True) / (x.shape[-2] - 1))
+    stats = BatchStatistics(centred, batch_mean, th.sum(square, dim=-2, keepdim=True).div_(constants.n_minus_1))
     if warm:
-        running_std = (ra_var + layer.eps).sqrt()
-        stats.r = ((stats.batch_var + layer.eps).sqrt() / running_std).clamp(1 / layer.rmax, layer.rmax)
-        stats.d = ((batch_mean - ra_mean) / running_std).clamp(-layer.dmax, layer.dmax)
-    ra_mean += layer.momentum * (batch_mean - ra_mean)
-    ra_var += layer.momentum * (stats.batch_var - ra_var)
+        running_std = th.add(ra_var, constants.eps).sqrt_()
+        r = th.add(stats.batch_var, constants.eps).sqrt_().div_(running_std)
+        stats.r = r.clamp_(1 / layer.rmax, layer.rmax)
+        stats.d = th.sub(batch_mean, ra_mean).div_(running_std).clamp_(-layer.dmax, layer.dmax)
+    ra_mean += th.sub(batch_mean, ra_mean).mul_(constants.momentum)
+    ra_var += th.sub(stats.batch_var, ra_var).mul_(constants.momentum)
     return stats
 
 
@@ -143,7 +175,7 @@ def renorm_output(
     stats: BatchStatistics,
     scale: th.Tensor | None,
     bias: th.Tensor | None,
-    eps: float,
+    constants: RenormConstants,
     buffers: RenormBuffers | None = None,
 ) -> tuple[th.Tensor, RenormSaved]:
     """
@@ -156,17 +188,16 @@ def renorm_output(
     :param buffers: where to write the output
     :return: the output, and what its backward needs
     """
-    n = stats.centred.shape[-2]
     if stats.r is None or stats.d is None:
-        std = (stats.batch_var + eps).sqrt()
+        std = th.add(stats.batch_var, constants.eps).sqrt_()
         shift = coefficient = None  # custom_mean is the batch mean
     else:
         sigma = stats.batch_var.sqrt()
         shift = stats.d * sigma / stats.r  # batch_mean - custom_mean
-        std = (stats.batch_var / (stats.r**2) + eps).sqrt()
+        std = th.add(stats.batch_var / (stats.r**2), constants.eps).sqrt_()
         # the factor of the gradient's term through sigma in custom_mean (a constant feature, sigma = 0, makes it
         # inf or nan, as stock's sqrt backward does)
-        coefficient = stats.d / (stats.r * sigma * (n - 1))
+        coefficient = stats.d / (stats.r * sigma).mul_(constants.n_minus_1)
     factor = 1.0 / std if scale is None else scale / std
     offset = th.zeros_like(std) if bias is None else bias
     if shift is not None:
@@ -178,7 +209,13 @@ def renorm_output(
 
 
 def renorm_backward(
-    saved: RenormSaved, grad: th.Tensor, input_grad: bool, buffers: RenormBuffers | None = None
+    saved: RenormSaved,
+    grad: th.Tensor,
+    input_grad: bool,
+    constants: RenormConstants,
+    buffers: RenormBuffers | None = None,
+    grad_scale_out: th.Tensor | None = None,
+    grad_bias_out: th.Tensor | None = None,
 ) -> tuple[th.Tensor | None, th.Tensor, th.Tensor]:
     """
     The gradients of :func:`renorm_output`: two reductions over the rows and two fused passes, about a third of the
@@ -186,15 +223,17 @@ def renorm_backward(
 
     :param grad: the gradient of the output
     :param input_grad: compute the input's gradient too
+    :param constants: the layer's :func:`renorm_constants`
     :param buffers: where to write the temporary and the input's gradient
+    :param grad_scale_out: where to write the scale's gradient (statistic-shaped), or ``None``: a new tensor
+    :param grad_bias_out: likewise, the bias's
     :return: the gradients of the input (or ``None``), of the scale and of the bias, each statistic-shaped
     """
     centred, std, factor, scale, shift = saved.centred, saved.std, saved.factor, saved.scale, saved.shift
-    n = grad.shape[-2]
-    grad_bias = grad.sum(dim=-2, keepdim=True)
+    grad_bias = th.sum(grad, dim=-2, keepdim=True, out=grad_bias_out)
     # sum(grad * normalised) with normalised = (centred + shift) / std
     product = grad * centred if buffers is None else th.mul(grad, centred, out=buffers.scratch)
-    grad_scale = th.sum(product, dim=-2, keepdim=True)
+    grad_scale = th.sum(product, dim=-2, keepdim=True, out=grad_scale_out)
     if shift is not None:
         grad_scale += shift * grad_bias
     grad_scale /= std
@@ -202,17 +241,16 @@ def renorm_backward(
     if input_grad:
         # g = grad * scale is dL/d normalised: its sums from the affine parameters' gradients
         sum_g, sum_gn = (grad_bias, grad_scale) if scale is None else (grad_bias * scale, grad_scale * scale)
-        alpha = sum_gn / ((n - 1) * std)
+        alpha = th.div(sum_gn, th.mul(std, constants.n_minus_1))
         if saved.coefficient is None or saved.r is None:
-            alpha = -alpha
+            alpha.neg_()
         else:
             alpha = saved.coefficient * sum_g - alpha / (saved.r**2)
         # (g - mean(g) + centred * alpha) / std, in two fused passes
-        if buffers is None:
-            grad_x = th.addcmul(-sum_g / (n * std), grad, factor)
-        else:
-            grad_x = th.addcmul(-sum_g / (n * std), grad, factor, out=buffers.grad_x)
-        grad_x.addcmul_(centred, alpha / std)
+        mean_term = th.neg(sum_g).div_(th.mul(std, constants.n))
+        out = None if buffers is None else buffers.grad_x
+        grad_x = th.addcmul(mean_term, grad, factor, out=out)  # type: ignore[arg-type]
+        grad_x.addcmul_(centred, alpha.div_(std))
     return grad_x, grad_scale, grad_bias
 
 
@@ -221,15 +259,21 @@ class BatchRenormTraining(th.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: th.Tensor, scale: th.Tensor | None, bias: th.Tensor | None, stats: BatchStatistics, eps: float
+        ctx: Any,
+        x: th.Tensor,
+        scale: th.Tensor | None,
+        bias: th.Tensor | None,
+        stats: BatchStatistics,
+        constants: RenormConstants,
     ) -> th.Tensor:
-        y, ctx.saved = renorm_output(stats, scale, bias, eps)
+        y, ctx.saved = renorm_output(stats, scale, bias, constants)
+        ctx.constants = constants
         return y
 
     @staticmethod
     def backward(ctx: Any, grad: th.Tensor) -> tuple[th.Tensor | None, ...]:  # type: ignore[override]
         saved: RenormSaved = ctx.saved
-        grad_x, grad_scale, grad_bias = renorm_backward(saved, grad, ctx.needs_input_grad[0])
+        grad_x, grad_scale, grad_bias = renorm_backward(saved, grad, ctx.needs_input_grad[0], ctx.constants)
         if saved.scale is None:
             return grad_x, None, None, None, None
         return grad_x, grad_scale.view_as(saved.scale), grad_bias.view_as(saved.scale), None, None
@@ -241,14 +285,16 @@ def eval_renorm(
     ra_var: th.Tensor,
     scale: th.Tensor | None,
     bias: th.Tensor | None,
-    eps: float,
+    eps: float | th.Tensor,
     buffers: RenormBuffers | None = None,
 ) -> tuple[th.Tensor, th.Tensor]:
     """
+    :param eps: the layer's ``eps`` (or its kept tensor, :class:`RenormConstants`)
     :return: a ``BatchRenorm1d`` layer's evaluation-mode output, ``(x - ra_mean) * (scale / sqrt(ra_var + eps)) + bias``
         in two passes (stock's four round otherwise in float32), and its factor (the output's derivative in ``x``)
     """
-    factor = 1.0 / (ra_var + eps).sqrt() if scale is None else scale / (ra_var + eps).sqrt()
+    std = th.add(ra_var, eps).sqrt_()
+    factor = 1.0 / std if scale is None else th.div(scale, std)
     offset = th.zeros_like(ra_mean) if bias is None else bias
     if buffers is None:
         return th.addcmul(offset, x - ra_mean, factor), factor
@@ -268,11 +314,12 @@ def batch_renorm(layer: BatchRenorm1d, x: th.Tensor, training: bool, counts: Ren
     if not training:
         return eval_renorm(x, ra_mean, ra_var, scale, bias, eps)[0]
     steps = counts.steps[id(layer)]
-    stats = batch_statistics(x, ra_mean.view(1, -1), ra_var.view(1, -1), steps > layer.warmup_steps, layer)
+    constants = renorm_constants(layer, x)
     with th.no_grad():
+        stats = batch_statistics(x, ra_mean.view(1, -1), ra_var.view(1, -1), steps > layer.warmup_steps, layer, constants)
         steps_buffer += 1
     counts.steps[id(layer)] = steps + 1
-    y = BatchRenormTraining.apply(x, scale, bias, stats, eps)
+    y = BatchRenormTraining.apply(x, scale, bias, stats, constants)
     assert isinstance(y, th.Tensor)
     return y
 
@@ -339,6 +386,7 @@ class StackedRenorm:
         self.counts: RenormCounts | None = None
         self._saved: RenormSaved | None = None
         self._factor: th.Tensor | None = None
+        self._constants: RenormConstants | None = None
         self._buffers: dict[tuple[int, ...], RenormBuffers] = {}
         self._last: RenormBuffers | None = None
 
@@ -359,19 +407,20 @@ class StackedRenorm:
         :return: the layers' output of ``x`` (``[n, F]`` or ``[G, n, F]``; in training mode, the running statistics and
             the counts updated)
         """
-        eps = self.first.eps
         buffers = self._buffers_for(x)
+        constants = self._constants = renorm_constants(self.first, x)
         if not self.training:
-            y, self._factor = eval_renorm(x, self.ra_mean, self.ra_var, self.scale, self.bias, eps, buffers)
+            y, self._factor = eval_renorm(x, self.ra_mean, self.ra_var, self.scale, self.bias, constants.eps, buffers)
             return y
         counts = self.counts
         assert counts is not None, "set the train() call's counts first"
-        steps = counts.steps[id(self.first)]
-        stats = batch_statistics(x, self.ra_mean, self.ra_var, steps > self.first.warmup_steps, self.first, buffers)
+        first = self.first
+        steps = counts.steps[id(first)]
+        stats = batch_statistics(x, self.ra_mean, self.ra_var, steps > first.warmup_steps, first, constants, buffers)
         self.steps += 1
         for m in self.layers:
             counts.steps[id(m)] = steps + 1
-        y, self._saved = renorm_output(stats, self.scale, self.bias, eps, buffers)
+        y, self._saved = renorm_output(stats, self.scale, self.bias, constants, buffers)
         return y
 
     def backward(self, grad: th.Tensor, input_grad: bool) -> th.Tensor | None:
@@ -384,9 +433,6 @@ class StackedRenorm:
         if not self.training:
             assert self._factor is not None, "backward before forward"
             return th.mul(grad, self._factor, out=self._last.grad_x) if input_grad and self._last else None
-        assert self._saved is not None, "backward before forward"
-        grad_x, grad_scale, grad_bias = renorm_backward(self._saved, grad, input_grad, self._last)
-        if self.grad_scale is not None and self.grad_bias is not None:
-            self.grad_scale.copy_(grad_scale)
-            self.grad_bias.copy_(grad_bias)
-        return grad_x
+        assert self._saved is not None and self._constants is not None, "backward before forward"
+        # the affine parameters' gradients straight into the flat gradient buffer's views
+        return renorm_backward(self._saved, grad, input_grad, self._constants, self._last, self.grad_scale, self.grad_bias)[0]
