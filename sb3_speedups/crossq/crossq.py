@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import sb3_contrib
+import torch as th
 from sb3_contrib.crossq.policies import CrossQPolicy
 
 from sb3_speedups.common.acting.off_policy import FrozenOffPolicyActor
@@ -71,7 +72,8 @@ class CrossQ(FastOffPolicyAlgorithm, sb3_contrib.CrossQ):
         counts = updater.counts()
         # the critics' joint forward runs 2 * batch_size rows
         threads = update_num_threads(2 * batch_size * speed.largest_linear, self.num_threads, self.device)
-        with num_threads_during(threads):
+        # a step all by hand needs no autograd: without its dispatch every op is cheaper
+        with num_threads_during(threads), th.inference_mode(updater.by_hand):
             for data in split_minibatches(self, gradient_steps, batch_size):
                 self._n_updates += 1
                 updater.step(data, self.gamma, self._n_updates % self.policy_delay == 0, counts, losses)

@@ -127,6 +127,11 @@ class CrossQUpdate:
         self.fixed_ent_coef, self.target_entropy = ent_coef, target_entropy
         self.loss = MinCriticLoss()
 
+    @property
+    def by_hand(self) -> bool:
+        """Whether every gradient of the step is hand-derived (the critics', the actor's and the coefficient's)."""
+        return self.critics is not None and self.actor_net is not None
+
     def is_bound(self) -> bool:
         """:return: whether the optimizers are still the policy's and their state lives in the flat buffers"""
         actor, critic = self.policy.actor, self.policy.critic
