@@ -18,7 +18,6 @@ from sb3_speedups.common.nn.inputs import flat_input_unsupported_reason, float_r
 from sb3_speedups.common.nn.blocked import BlockedMlpForward, forward_in_blocks
 from sb3_speedups.common.nn.mlp import NONE, RELU, TANH, parse_mlp, parse_output_mlp, stack
 from sb3_speedups.common.nn.actor_critic_mlp import ActorCriticMlp
-from sb3_speedups.common.nn.products import affine_into, output_buffer, transposes_output
 
 OBS_SPACE = spaces.Box(-1, 1, (5,))
 
@@ -273,25 +272,3 @@ def test_dict_observations_the_executors_cannot_take_are_reported():
     assert "a nested Dict" in flat_input_unsupported_reason(nested)
     policy = MultiInputActorCriticPolicy(image, spaces.Discrete(3), lambda _: 1e-3, net_arch=[8])
     assert "not a flat Box" in mlp_unsupported_reason(policy)
-
-
-@pytest.mark.parametrize("groups", [None, 1, 2])
-@pytest.mark.parametrize("width", [1, 2, 8, 9, 25])
-def test_output_layer_product_equals_the_direct_product(groups, width):
-    """
-    ``affine_into`` against ``bias + h @ weight.T``: narrow outputs run as the transposed product into a transposed
-    buffer. The dot products are the same but MKL may sum them in another order: equal within float32 rounding
-    (256 products of unit-scale terms: 1e-5 absolute).
-    """
-    th.manual_seed(0)
-    lead = () if groups is None else (groups,)
-    h, weight = th.randn(*lead, 300, 256), th.randn(*lead, width, 256) / 16
-    bias = th.randn(width) if groups is None else th.randn(groups, 1, width)
-    out = output_buffer(300, width, groups, h.device)
-    assert out.shape == (*lead, 300, width)
-    assert (out.stride(-1) == 300) == transposes_output(width, groups is not None)
-    assert transposes_output(width, groups is not None) == (width <= 8 and (groups is not None or width > 1))
-    assert affine_into(out, bias, h, weight) is out
-    th.testing.assert_close(
-        out, th.addmm(bias, h, weight.t()) if groups is None else th.baddbmm(bias, h, weight.mT), rtol=0, atol=1e-5
-    )

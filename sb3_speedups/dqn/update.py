@@ -31,7 +31,6 @@ from sb3_speedups.common.nn.mlp import Mlp, parse_output_mlp
 from sb3_speedups.common.nn.training import MlpChain
 from sb3_speedups.common.nn.flat import FlatParameters
 from sb3_speedups.common.nn.optim import FlatAdam, FlatOptimizerStep, adam_unsupported_reason
-from sb3_speedups.common.nn.products import affine_into, output_buffer
 from sb3_speedups.common.torch_utils import to_channels_last, trains_channels_last
 
 
@@ -220,14 +219,10 @@ class HandDerivedQUpdate:
         """
         return self.flat.is_bound() and (not optimizer or self.adam.is_bound())
 
-    def _output(self, h: th.Tensor) -> th.Tensor:
-        """:return: the output layer's values of the last hidden activations ``h`` ``[n, hidden]`` (a new tensor)"""
-        return affine_into(output_buffer(h.shape[0], self.w_out.shape[0], None, h.device), self.b_out, h, self.w_out)
-
     def q_values(self, obs: th.Tensor) -> th.Tensor:
         """:return: ``Q(obs, .)`` ``[n, n_actions]`` (overwrites the forward workspace for ``n`` rows)"""
         h = self.chain.forward(self.inputs(obs))[0]
-        return self.head.q_values(self._output(h))
+        return self.head.q_values(th.addmm(self.b_out, h, self.w_out.t()))
 
     def step(
         self,
@@ -249,7 +244,7 @@ class HandDerivedQUpdate:
         """
         h = self.chain.forward(self.inputs(obs))
         h2 = h[0]
-        out = self._output(h2)
+        out = th.addmm(self.b_out, h2, self.w_out.t())
         d_out, result = self.head.output_grad(out, actions, target, weights)
         th.mm(d_out.t(), h2, out=self.gw_out)
         th.sum(d_out, 0, out=self.gb_out)

@@ -45,7 +45,7 @@ class QuantileHead(QHead):
         return network.quantile_net  # type: ignore[return-value]
 
     def _quantiles(self, out: th.Tensor) -> th.Tensor:
-        return out.reshape(-1, self.n_quantiles, self.n_actions)  # (a narrow output is a transposed view)
+        return out.view(-1, self.n_quantiles, self.n_actions)
 
     def q_values(self, out: th.Tensor) -> th.Tensor:
         return self._quantiles(out).mean(dim=1)

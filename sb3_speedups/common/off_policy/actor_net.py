@@ -15,7 +15,6 @@ from torch import nn
 from sb3_speedups.common.nn.flat import FlatParameters
 from sb3_speedups.common.nn.mlp import Mlp
 from sb3_speedups.common.nn.optim import FlatAdam
-from sb3_speedups.common.nn.products import affine_into, output_buffer
 from sb3_speedups.common.nn.training import InputNorm, MlpChain
 
 
@@ -57,6 +56,7 @@ class ActorNet:
         self.chain = MlpChain(self.flat, [hidden], None if norms is None else norms(self.flat))
         width = head_weights[0].shape[1]
         self.weight = self.flat.stacked(head_weights).view(-1, width)
+        self.weight_t = self.weight.t()
         self.bias = self.flat.stacked(head_biases).view(-1)
         self.grad_weight = self.flat.stacked(head_weights, grad=True).view(-1, width)
         self.grad_bias = self.flat.stacked(head_biases, grad=True).view(-1)
@@ -73,9 +73,10 @@ class ActorNet:
         n = x.shape[0]
         out = self._out.get(n)
         if out is None:
-            out = self._out[n] = output_buffer(n, self.weight.shape[0], None, x.device)
+            with th.inference_mode(False):
+                out = self._out[n] = th.empty(n, self.weight.shape[0], device=x.device)
         self._n = n
-        return affine_into(out, self.bias, self.chain.forward(x)[0], self.weight)
+        return th.addmm(self.bias, self.chain.forward(x)[0], self.weight_t, out=out)
 
     def backward(self, d_out: th.Tensor) -> None:
         """

@@ -27,7 +27,6 @@ from sb3_speedups.common.nn.flat import FlatParameters
 from sb3_speedups.common.nn.inputs import flat_extractor_unsupported_reason, flat_input_unsupported_reason
 from sb3_speedups.common.nn.mlp import Mlp, parse_output_mlp
 from sb3_speedups.common.nn.optim import FlatAdam, adam_unsupported_reason
-from sb3_speedups.common.nn.products import affine_into, output_buffer
 from sb3_speedups.common.nn.training import MlpChain
 
 
@@ -163,9 +162,10 @@ def without_weight_gradients(params: Sequence[nn.Parameter]) -> Iterator[None]:
 
 @dataclass
 class _Head:
-    """The output layers ``[G, width, in]`` of the stacked critics: views and their gradients."""
+    """The output layers ``[G, out, width]`` of the stacked critics: views, their transposes and their gradients."""
 
     weight: th.Tensor
+    weight_t: th.Tensor
     bias: th.Tensor
     grad_weight: th.Tensor
     grad_bias: th.Tensor
@@ -178,7 +178,7 @@ def stacked_head(flat: FlatParameters, mlps: Sequence[Mlp], count: int) -> _Head
     bias = flat.stacked([lay.bias for lay in last if lay.bias is not None]).unsqueeze(1)
     grad_weight = flat.stacked([lay.weight for lay in last], grad=True)
     grad_bias = flat.stacked([lay.bias for lay in last if lay.bias is not None], grad=True)
-    return _Head(weight, bias, grad_weight, grad_bias)
+    return _Head(weight, weight.transpose(1, 2), bias, grad_weight, grad_bias)
 
 
 class StackedCritics:
@@ -231,8 +231,9 @@ class StackedCritics:
     def _out(self, head: _Head, h: th.Tensor, key: int) -> th.Tensor:
         out = self._q.get((key, h.shape[1]))
         if out is None:
-            out = self._q[(key, h.shape[1])] = output_buffer(h.shape[1], self.width, h.shape[0], h.device)
-        return affine_into(out, head.bias, h, head.weight)
+            with th.inference_mode(False):
+                out = self._q[(key, h.shape[1])] = th.empty(h.shape[0], h.shape[1], self.width, device=h.device)
+        return th.baddbmm(head.bias, h, head.weight_t, out=out)
 
     def target_min(self, x: th.Tensor) -> th.Tensor:
         """:return: the smallest target critic value ``[n, 1]`` of inputs ``x = [next_obs, next_actions]``"""
