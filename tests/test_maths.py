@@ -237,7 +237,8 @@ def test_crossq_chain_with_norms_equals_autograd(renorm):
 
     from sb3_speedups.common.nn.flat import FlatParameters
     from sb3_speedups.common.nn.training import MlpChain
-    from sb3_speedups.crossq.batch_renorm import RenormCounts, StackedRenorm
+    from sb3_speedups.crossq.batch_renorm import RenormCounts
+    from sb3_speedups.crossq.stacked_renorm import StackedRenorm
     from sb3_speedups.crossq.critics import parse_renorm_mlp, use_norms
 
     gen = th.Generator().manual_seed(0)

@@ -7,7 +7,7 @@ the modules' flags, and the costs of the module's training-mode forward and of i
   ``256 x 256`` product of it, the two reductions here about a fourteenth of that;
 - the output and its gradients are hand-derived (:func:`renorm_output`, :func:`renorm_backward`): one autograd node
   (:class:`BatchRenormTraining`), or an input norm of :class:`~sb3_speedups.common.nn.training.MlpChain` for ``G``
-  layers at once (:class:`StackedRenorm`, CrossQ's hand-derived step);
+  layers at once (:class:`~sb3_speedups.crossq.stacked_renorm.StackedRenorm`, CrossQ's hand-derived step);
 - the warm-up test (``steps > warmup_steps``) reads a host count kept per ``train()`` call (:class:`RenormCounts`),
   not the ``steps`` buffer each forward (a device sync on a GPU).
 
@@ -18,16 +18,13 @@ The running statistics and the ``steps`` buffer are updated in place as the modu
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch as th
 from sb3_contrib.common.torch_layers import BatchRenorm1d
 from torch import nn
 from torch.nn import functional as F
-
-from sb3_speedups.common.nn.flat import FlatParameters
 
 
 class RenormCounts:
@@ -339,100 +336,3 @@ def run_sequential(net: nn.Sequential, x: th.Tensor, training: bool, counts: Ren
         else:
             x = layer(x)
     return x
-
-
-class StackedRenorm:
-    """
-    ``G`` equally shaped ``BatchRenorm1d`` layers (one per critic, at one place of the networks; or one layer) as one
-    normalisation of a ``[G, n, F]`` block, with the state its backward needs kept: an
-    :class:`~sb3_speedups.common.nn.training.InputNorm` of :class:`~sb3_speedups.common.nn.training.MlpChain`. In
-    training mode (:attr:`training`) it normalises by the batch statistics and updates the running ones; in evaluation
-    mode by the running ones, and its backward gives the input's gradient only (what a loss that trains another network
-    through this one needs). For ``G > 1``, building it moves the layers' running statistics and step counts into
-    stacked buffers (the modules' buffers become views of them, so saving, loading and stock's own ``train()`` see them
-    as before); the affine parameters are views of the flat buffer that holds them.
-
-    :param layers: the layers, same hyperparameters
-    :param flat: the flat buffer holding their parameters side by side
-    """
-
-    def __init__(self, layers: list[BatchRenorm1d], flat: FlatParameters) -> None:
-        first = layers[0]
-        keys = ("num_features", "eps", "momentum", "rmax", "dmax", "warmup_steps", "affine")
-        if any(getattr(m, k) != getattr(first, k) for m in layers for k in keys):
-            raise ValueError("stacked BatchRenorm1d layers must share their hyperparameters")
-        self.layers, self.first = layers, first
-        self.training = True
-        self.scale = self.bias = self.grad_scale = self.grad_bias = None
-        # one layer runs on [n, F] blocks (statistics [1, F]), several on [G, n, F] ones (statistics [G, 1, F])
-        shaped: Callable[[th.Tensor], th.Tensor] = (lambda t: t) if len(layers) == 1 else (lambda t: t.unsqueeze(1))
-        if first.affine:
-            self.scale, self.bias = (shaped(flat.stacked([getattr(m, k) for m in layers])) for k in ("scale", "bias"))
-            self.grad_scale, self.grad_bias = (
-                shaped(flat.stacked([getattr(m, k) for m in layers], grad=True)) for k in ("scale", "bias")
-            )
-        buffers = [(m.ra_mean, m.ra_var, m.steps) for m in layers]
-        if len(layers) == 1:  # views of the layer's own buffers
-            ra_mean, ra_var, steps = cast(tuple[th.Tensor, th.Tensor, th.Tensor], buffers[0])
-            self.ra_mean, self.ra_var, self.steps = ra_mean.view(1, -1), ra_var.view(1, -1), steps.view(1)
-        else:
-            with th.no_grad():
-                self.ra_mean, self.ra_var, self.steps = (th.stack(list(t)) for t in zip(*buffers, strict=True))  # type: ignore[arg-type]
-                self.ra_mean, self.ra_var = self.ra_mean.unsqueeze(1), self.ra_var.unsqueeze(1)
-            for g, m in enumerate(layers):
-                m.ra_mean, m.ra_var, m.steps = self.ra_mean[g, 0], self.ra_var[g, 0], self.steps[g]
-        kept = [t for g in range(len(layers)) for t in (self.ra_mean[g], self.ra_var[g], self.steps[g])]
-        self._pointers = [t.data_ptr() for t in kept]
-        self.counts: RenormCounts | None = None
-        self._saved: RenormSaved | None = None
-        self._factor: th.Tensor | None = None
-        self._constants: RenormConstants | None = None
-        self._buffers: dict[tuple[int, ...], RenormBuffers] = {}
-        self._last: RenormBuffers | None = None
-
-    def _buffers_for(self, x: th.Tensor) -> RenormBuffers:
-        found = self._buffers.get(tuple(x.shape))
-        if found is None:
-            found = self._buffers[tuple(x.shape)] = RenormBuffers.like(x)
-        self._last = found
-        return found
-
-    def is_bound(self) -> bool:
-        """:return: whether the modules' statistics still live in the kept buffers (``module.to()`` undoes it)"""
-        found = [m._buffers[k] for m in self.layers for k in ("ra_mean", "ra_var", "steps")]
-        return [t.data_ptr() if t is not None else 0 for t in found] == self._pointers
-
-    def forward(self, x: th.Tensor) -> th.Tensor:
-        """
-        :return: the layers' output of ``x`` (``[n, F]`` or ``[G, n, F]``; in training mode, the running statistics and
-            the counts updated)
-        """
-        buffers = self._buffers_for(x)
-        constants = self._constants = renorm_constants(self.first, x)
-        if not self.training:
-            y, self._factor = eval_renorm(x, self.ra_mean, self.ra_var, self.scale, self.bias, constants.eps, buffers)
-            return y
-        counts = self.counts
-        assert counts is not None, "set the train() call's counts first"
-        first = self.first
-        steps = counts.steps[id(first)]
-        stats = batch_statistics(x, self.ra_mean, self.ra_var, steps > first.warmup_steps, first, constants, buffers)
-        self.steps += 1
-        for m in self.layers:
-            counts.steps[id(m)] = steps + 1
-        y, self._saved = renorm_output(stats, self.scale, self.bias, constants, buffers)
-        return y
-
-    def backward(self, grad: th.Tensor, input_grad: bool) -> th.Tensor | None:
-        """
-        In training mode, write the scale and bias gradients of the last :meth:`forward` given its output's gradient
-        ``grad``; in evaluation mode, nothing (no parameter trains through it).
-
-        :return: the gradient of its input when ``input_grad``, else ``None``
-        """
-        if not self.training:
-            assert self._factor is not None, "backward before forward"
-            return th.mul(grad, self._factor, out=self._last.grad_x) if input_grad and self._last else None
-        assert self._saved is not None and self._constants is not None, "backward before forward"
-        # the affine parameters' gradients straight into the flat gradient buffer's views
-        return renorm_backward(self._saved, grad, input_grad, self._constants, self._last, self.grad_scale, self.grad_bias)[0]

@@ -3,7 +3,7 @@ CrossQ's critics (sb3-contrib's ``CrossQCritic``: ``n_critics`` networks of ``Li
 ``BatchRenorm1d`` layer, on ``[obs, action]``) with hand-derived gradients: the critics' step of ``CrossQ.train``, the
 joint training-mode forward of ``(s, a)`` and ``(s', a')`` and its backward, as one batched product per layer of the
 stacked networks (:class:`~sb3_speedups.common.nn.training.MlpChain`) with the batch-renormalisation layers as its
-input norms (:class:`~sb3_speedups.crossq.batch_renorm.StackedRenorm`). CrossQ has no target networks. The maths:
+input norms (:class:`~sb3_speedups.crossq.stacked_renorm.StackedRenorm`). CrossQ has no target networks. The maths:
 docs/maths.md, "CrossQ batch renormalisation" and "Off-policy critics".
 """
 
@@ -24,7 +24,8 @@ from sb3_speedups.common.nn.optim import FlatAdam, adam_unsupported_reason
 from sb3_speedups.common.nn.training import InputNorm, MlpChain
 from sb3_speedups.common.off_policy.actor_net import ActorNet
 from sb3_speedups.common.off_policy.critics import StackedCritics, q_networks, stacked_head
-from sb3_speedups.crossq.batch_renorm import RenormCounts, StackedRenorm
+from sb3_speedups.crossq.batch_renorm import RenormCounts
+from sb3_speedups.crossq.stacked_renorm import StackedRenorm
 
 
 def parse_renorm_mlp(net: nn.Module) -> tuple[Mlp, list[BatchRenorm1d | None]] | str:
