@@ -182,6 +182,7 @@ def renorm_output(
 
     :param scale: the affine scale, broadcastable to the statistics (or ``None``)
     :param bias: the affine bias, likewise
+    :param constants: the layer's :func:`renorm_constants`
     :param buffers: where to write the output
     :return: the output, and what its backward needs
     """

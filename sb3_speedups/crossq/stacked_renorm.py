@@ -72,14 +72,15 @@ class StackedRenorm:
         self._saved: RenormSaved | None = None
         self._factor: th.Tensor | None = None
         self._constants: RenormConstants | None = None
-        self._buffers: dict[tuple[int, ...], RenormBuffers] = {}
+        # per input shape: the kept blocks and the layer's constants for that row count
+        self._buffers: dict[tuple[int, ...], tuple[RenormBuffers, RenormConstants]] = {}
         self._last: RenormBuffers | None = None
 
-    def _buffers_for(self, x: th.Tensor) -> RenormBuffers:
+    def _buffers_for(self, x: th.Tensor) -> tuple[RenormBuffers, RenormConstants]:
         found = self._buffers.get(tuple(x.shape))
         if found is None:
-            found = self._buffers[tuple(x.shape)] = RenormBuffers.like(x)
-        self._last = found
+            found = self._buffers[tuple(x.shape)] = (RenormBuffers.like(x), renorm_constants(self.first, x))
+        self._last = found[0]
         return found
 
     def is_bound(self) -> bool:
@@ -92,8 +93,8 @@ class StackedRenorm:
         :return: the layers' output of ``x`` (``[n, F]`` or ``[G, n, F]``; in training mode, the running statistics and
             the counts updated)
         """
-        buffers = self._buffers_for(x)
-        constants = self._constants = renorm_constants(self.first, x)
+        buffers, constants = self._buffers_for(x)
+        self._constants = constants
         if not self.training:
             y, self._factor = eval_renorm(x, self.ra_mean, self.ra_var, self.scale, self.bias, constants.eps, buffers)
             return y
