@@ -128,7 +128,7 @@ class QHead:
     def output_grad(
         self, out: th.Tensor, actions: th.Tensor, target: th.Tensor, weights: th.Tensor | None
     ) -> tuple[th.Tensor, Any]:
-        """:return: the loss's gradient with respect to ``out`` (a new tensor) and the step's result"""
+        """:return: the loss's gradient with respect to ``out`` (valid until the next call) and the step's result"""
         raise NotImplementedError
 
     def autograd_loss(

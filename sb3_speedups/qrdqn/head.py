@@ -34,6 +34,17 @@ class QuantileHead(QHead):
     def __init__(self, n_quantiles: int, n_actions: int) -> None:
         self.n_quantiles, self.n_actions = n_quantiles, n_actions
         self.huber = QuantileHuberLoss(n_quantiles)
+        # by row count: the chosen quantiles [n, n_quantiles, 1] and the output's gradient [n, n_quantiles, n_actions],
+        # with their views, kept (a step then allocates neither)
+        self._kept: dict[tuple[int, th.device], tuple[th.Tensor, th.Tensor, th.Tensor, th.Tensor]] = {}
+
+    @th.inference_mode(False)  # normal tensors, usable in any mode
+    def _buffers(self, out: th.Tensor) -> tuple[th.Tensor, th.Tensor, th.Tensor, th.Tensor]:
+        n = out.shape[0]
+        chosen = th.empty(n, self.n_quantiles, 1, device=out.device)
+        d_out = th.zeros(n, self.n_quantiles, self.n_actions, device=out.device)
+        kept = self._kept[(n, out.device)] = (chosen, chosen.squeeze(2), d_out, d_out.view(n, -1))
+        return kept
 
     def network(self, policy: BasePolicy) -> BasePolicy:
         return policy.quantile_net  # type: ignore[return-value]
@@ -66,11 +77,12 @@ class QuantileHead(QHead):
     ) -> tuple[th.Tensor, th.Tensor]:
         if weights is not None:
             raise ValueError("QR-DQN's loss takes no importance-sampling weights")
-        quantiles, index = self._quantiles(out), self._index(actions)
-        current = quantiles.gather(2, index).squeeze(2)
-        grad, loss = self.huber(current, target, sum_over_quantiles=True, out=current)
-        d_out = th.zeros_like(quantiles).scatter_(2, index, grad.unsqueeze(2))
-        return d_out.view(out.shape[0], -1), loss
+        chosen, current, d_out, d_out_rows = self._kept.get((out.shape[0], out.device)) or self._buffers(out)
+        index = self._index(actions)
+        th.gather(self._quantiles(out), 2, index, out=chosen)
+        _, loss = self.huber(current, target, sum_over_quantiles=True, out=current)  # the gradient, in chosen's buffer
+        d_out.zero_().scatter_(2, index, chosen)
+        return d_out_rows, loss
 
     def autograd_loss(
         self, out: th.Tensor, actions: th.Tensor, target: th.Tensor, weights: th.Tensor | None

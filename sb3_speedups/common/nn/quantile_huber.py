@@ -9,7 +9,8 @@ so with ``N`` the loss's divisor:
 - ``N ∂L/∂θ_j = -(τ_j Σ_t c + (1 - 2τ_j) Σ_t c⁻)``
 - ``N L = Σ_j τ_j Σ_t c (δ - c/2) + (1 - 2τ_j) Σ_t c⁻ (δ - c⁻/2)`` (the Huber loss ``c (δ - c/2)``)
 
-The four sums over the targets are one product of the four terms, side by side, with a column of ones.
+The four sums over the targets are one product of the four terms, side by side, with a column of ones; the loss is
+then one dot product of the last two sums with the kept weights ``τ_j / N`` and ``(1 - 2τ_j) / N``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class _Pairwise:
     skew: th.Tensor
     #: ``1 / N``
     scale: float
+    #: the two Huber sums as one vector ``[2 ... Q]`` and their weights in the loss (``τ / N``, then ``(1 - 2τ) / N``)
+    huber_sums: th.Tensor
+    loss_weights: th.Tensor
 
 
 class QuantileHuberLoss:
@@ -80,6 +84,8 @@ class QuantileHuberLoss:
         tau, skew = self._levels(device)
         slope, negative, huber, negative_huber = terms.unbind(0)
         sum_slope, sum_negative, sum_huber, sum_negative_huber = sums.view(4, *shape[:-1]).unbind(0)
+        # the loss's weights, one per Huber sum (the loss is only logged: its rounding need not be the step's)
+        per_row = th.stack([tau.expand(shape[:-1]), skew.expand(shape[:-1])]).reshape(-1)
         pairwise = _Pairwise(
             delta,
             terms,
@@ -97,6 +103,8 @@ class QuantileHuberLoss:
             tau,
             skew,
             scale,
+            sums.view(-1)[per_row.shape[0] :],
+            per_row * scale,
         )
         self._pairwise[(target.shape, current.shape, device, sum_over_quantiles)] = pairwise
         return pairwise
@@ -122,7 +130,6 @@ class QuantileHuberLoss:
         th.add(delta, slope, alpha=-0.5, out=buf.huber).mul_(slope)
         th.add(delta, negative, alpha=-0.5, out=buf.negative_huber).mul_(negative)
         th.mm(buf.rows, buf.ones, out=buf.sums)
-        tau, skew, scale = buf.tau, buf.skew, buf.scale
-        loss = th.sum(buf.sum_huber * tau + buf.sum_negative_huber * skew) * scale
-        grad = th.mul(buf.sum_slope, tau, out=out).addcmul_(buf.sum_negative, skew).mul_(-scale)
+        loss = th.dot(buf.huber_sums, buf.loss_weights)
+        grad = th.mul(buf.sum_slope, buf.tau, out=out).addcmul_(buf.sum_negative, buf.skew).mul_(-buf.scale)
         return grad, loss
