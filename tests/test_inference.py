@@ -14,6 +14,7 @@ from sb3_speedups.common.nn.mlp import parse_mlp
 from sb3_speedups.common.nn.actor_critic_mlp import ActorCriticMlp
 from sb3_speedups.common.nn.heads import make_head, sample_one_per_row
 from sb3_speedups.common.acting.actors import FrozenActorCritic, TorchMlp, ModuleActorCritic
+from sb3_speedups.common.acting.torch_mlp import one_row_addmv_is_addmm
 from sb3_speedups.common.acting.mirror import ParameterMirror
 
 ACTION_SPACES = {
@@ -125,6 +126,27 @@ def test_lean_mlp_equals_sequential():
     x = th.randn(7, 4)
     th.testing.assert_close(lean(x), seq(x).detach(), rtol=0, atol=0)
     assert isinstance(parse_mlp(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))), str)
+
+
+@pytest.mark.parametrize("sizes", [(4, 256, 256, 20), (8, 64, 64, 2), (17, 400, 300, 6)])
+def test_lean_mlp_one_row_equals_sequential_bit_for_bit(sizes):
+    # One env's row runs as matrix-vector products where this machine's addmv gives addmm's bits (checked when built):
+    # stock's Linear on that row must come out the same, or acting would part from stock's.
+    th.manual_seed(0)
+    layers: list[nn.Module] = []
+    for k in range(len(sizes) - 1):
+        layers += [nn.Linear(sizes[k], sizes[k + 1]), nn.ReLU()]
+    seq = nn.Sequential(*layers[:-1])
+    lean = TorchMlp.from_module(seq, lambda t: t.detach())
+    linears = [m for m in seq if isinstance(m, nn.Linear)]
+    # the one-row path runs exactly where the check finds the bits equal (on the CPUs measured: everywhere)
+    assert (lean._row_layers is not None) == all(one_row_addmv_is_addmm(m.weight.detach(), m.bias) for m in linears)
+    no_bias = TorchMlp.from_module(nn.Sequential(nn.Linear(4, 8, bias=False)), lambda t: t.detach())
+    assert no_bias._row_layers is None
+    with th.no_grad():
+        for _ in range(20):
+            x = th.randn(1, sizes[0]) * 3
+            assert th.equal(lean(x), seq(x))
 
 
 @pytest.mark.parametrize("k", [2, 3, 7])

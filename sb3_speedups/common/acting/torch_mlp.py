@@ -18,6 +18,20 @@ def _matmul(bias: None, x: th.Tensor, weight_t: th.Tensor) -> th.Tensor:
     return x @ weight_t
 
 
+@th.no_grad()
+def one_row_addmv_is_addmm(weight: th.Tensor, bias: th.Tensor | None) -> bool:
+    """
+    :return: whether ``addmv(bias, weight, x)`` gives the bits of ``addmm(bias, x[None], weight.T)`` (stock's
+        ``Linear`` on one row) for this layer's shapes on this machine: checked on a few random rows, not assumed. It
+        holds where the BLAS runs a one-row matrix product as its matrix-vector product (MKL on the CPUs measured:
+        docs/benchmarks.md); a matrix-vector kernel of its own would differ in most rows of a few hundred inputs.
+    """
+    if bias is None or weight.device.type != "cpu" or weight.dim() != 2:
+        return False
+    rows = th.randn(4, weight.shape[1], generator=th.Generator().manual_seed(0), dtype=weight.dtype)
+    return all(th.equal(th.addmm(bias, row[None], weight.t())[0], th.addmv(bias, weight, row)) for row in rows)
+
+
 class TorchMlp:
     """
     An MLP run on the tensors of its description with the module's own kernels (``addmm``, torch's activations, in
@@ -44,6 +58,11 @@ class TorchMlp:
             )
             for k, layer in enumerate(mlp.layers)
         ]
+        # One row (one env) through plain layers: matrix-vector products, where this machine's addmv gives addmm's bits
+        self._row_layers: list[tuple[th.Tensor, th.Tensor, Callable[[th.Tensor], th.Tensor] | None]] | None = None
+        rows = [(layer.weight, layer.bias, act) for layer, (*_, act) in zip(mlp.layers, self._layers, strict=True)]
+        if not mlp.stacked and mlp.one_hot is None and rows and all(one_row_addmv_is_addmm(w, b) for w, b, _ in rows):
+            self._row_layers = [(w, b, act) for w, b, act in rows if b is not None]
 
     @classmethod
     def from_module(cls, seq: nn.Module, mirror: Callable[[th.Tensor], th.Tensor]) -> TorchMlp:
@@ -61,6 +80,13 @@ class TorchMlp:
         :return: the output ``[n, out]`` of inputs ``[n, in]`` or hot columns ``[n, k]`` (stacked: ``[G, n, out]``, of
             the same rows for every network, or of ``[G, n, in]``: each network's own rows)
         """
+        if self._row_layers is not None and x.shape[0] == 1 and x.dim() == 2:
+            v = x[0]
+            for w, b, row_act in self._row_layers:
+                v = th.addmv(b, w, v)
+                if row_act is not None:
+                    v = row_act(v)
+            return v.unsqueeze(0)
         if self.groups and x.dim() == 2:
             x = x.expand(self.groups, *x.shape)
         for affine, weight_t, bias, act in self._layers:
