@@ -39,11 +39,9 @@ class _Pairwise:
     ones: th.Tensor
     #: the four sums over the targets ``[4 ... Q, 1]`` (the product's output)
     sums: th.Tensor
-    #: their views ``[..., Q]``: of ``c``, ``c⁻``, the Huber loss and the negative part's Huber loss
+    #: their views ``[..., Q]`` of ``c`` and ``c⁻`` (the gradient's)
     sum_slope: th.Tensor
     sum_negative: th.Tensor
-    sum_huber: th.Tensor
-    sum_negative_huber: th.Tensor
     #: ``τ`` and ``1 - 2τ`` ``[Q]``
     tau: th.Tensor
     skew: th.Tensor
@@ -83,7 +81,7 @@ class QuantileHuberLoss:
         scale = 1.0 / (pairs // self.n_quantiles if sum_over_quantiles else pairs)
         tau, skew = self._levels(device)
         slope, negative, huber, negative_huber = terms.unbind(0)
-        sum_slope, sum_negative, sum_huber, sum_negative_huber = sums.view(4, *shape[:-1]).unbind(0)
+        sum_slope, sum_negative = sums.view(4, *shape[:-1]).unbind(0)[:2]
         # the loss's weights, one per Huber sum (the loss is only logged: its rounding need not be the step's)
         per_row = th.stack([tau.expand(shape[:-1]), skew.expand(shape[:-1])]).reshape(-1)
         pairwise = _Pairwise(
@@ -98,8 +96,6 @@ class QuantileHuberLoss:
             sums,
             sum_slope,
             sum_negative,
-            sum_huber,
-            sum_negative_huber,
             tau,
             skew,
             scale,
