@@ -166,6 +166,8 @@ class RenormSaved:
     shift: th.Tensor | None
     coefficient: th.Tensor | None
     r: th.Tensor | None
+    #: the output is ``centred * factor + offset``
+    offset: th.Tensor
 
 
 def renorm_output(
@@ -200,7 +202,7 @@ def renorm_output(
     offset = th.zeros_like(std) if bias is None else bias
     if shift is not None:
         offset = offset + shift * factor
-    saved = RenormSaved(stats.centred, std, factor, scale, shift, coefficient, stats.r)
+    saved = RenormSaved(stats.centred, std, factor, scale, shift, coefficient, stats.r, offset)
     if buffers is None:
         return th.addcmul(offset, stats.centred, factor), saved
     return th.addcmul(offset, stats.centred, factor, out=buffers.output), saved
@@ -227,29 +229,57 @@ def renorm_backward(
     :param grad_bias_out: likewise, the bias's
     :return: the gradients of the input (or ``None``), of the scale and of the bias, each statistic-shaped
     """
-    centred, std, factor, scale, shift = saved.centred, saved.std, saved.factor, saved.scale, saved.shift
     grad_bias = th.sum(grad, dim=-2, keepdim=True, out=grad_bias_out)
     # sum(grad * normalised) with normalised = (centred + shift) / std
-    product = grad * centred if buffers is None else th.mul(grad, centred, out=buffers.scratch)
+    product = grad * saved.centred if buffers is None else th.mul(grad, saved.centred, out=buffers.scratch)
     grad_scale = th.sum(product, dim=-2, keepdim=True, out=grad_scale_out)
+    terms = renorm_backward_from_sums(saved, grad_bias, grad_scale, input_grad, constants)
+    if terms is None:
+        return None, grad_scale, grad_bias
+    out = None if buffers is None else buffers.grad_x
+    grad_x = th.addcmul(terms.mean_term, grad, saved.factor, out=out)  # type: ignore[arg-type]
+    return grad_x.addcmul_(saved.centred, terms.alpha), grad_scale, grad_bias
+
+
+@dataclass
+class InputGradTerms:
+    """The input's gradient of a training-mode output is ``grad * factor + mean_term + centred * alpha``."""
+
+    mean_term: th.Tensor
+    alpha: th.Tensor
+
+
+def renorm_backward_from_sums(
+    saved: RenormSaved,
+    grad_bias: th.Tensor,
+    grad_scale: th.Tensor,
+    input_grad: bool,
+    constants: RenormConstants,
+) -> InputGradTerms | None:
+    """
+    The part of :func:`renorm_backward` after its two column sums, on the statistic-shaped tensors only.
+
+    :param grad_bias: the output gradient's column sums ``sum(grad)`` (the bias's gradient)
+    :param grad_scale: ``sum(grad * centred)``, turned in place into the scale's gradient
+    :param input_grad: return the terms of the input's gradient too
+    :param constants: the layer's :func:`renorm_constants`
+    :return: those terms, or ``None`` without ``input_grad``
+    """
+    std, scale, shift = saved.std, saved.scale, saved.shift
     if shift is not None:
         grad_scale += shift * grad_bias
     grad_scale /= std
-    grad_x = None
-    if input_grad:
-        # g = grad * scale is dL/d normalised: its sums from the affine parameters' gradients
-        sum_g, sum_gn = (grad_bias, grad_scale) if scale is None else (grad_bias * scale, grad_scale * scale)
-        alpha = th.div(sum_gn, th.mul(std, constants.n_minus_1))
-        if saved.coefficient is None or saved.r is None:
-            alpha.neg_()
-        else:
-            alpha = saved.coefficient * sum_g - alpha / (saved.r**2)
-        # (g - mean(g) + centred * alpha) / std, in two fused passes
-        mean_term = th.neg(sum_g).div_(th.mul(std, constants.n))
-        out = None if buffers is None else buffers.grad_x
-        grad_x = th.addcmul(mean_term, grad, factor, out=out)  # type: ignore[arg-type]
-        grad_x.addcmul_(centred, alpha.div_(std))
-    return grad_x, grad_scale, grad_bias
+    if not input_grad:
+        return None
+    # g = grad * scale is dL/d normalised: its sums from the affine parameters' gradients
+    sum_g, sum_gn = (grad_bias, grad_scale) if scale is None else (grad_bias * scale, grad_scale * scale)
+    alpha = th.div(sum_gn, th.mul(std, constants.n_minus_1))
+    if saved.coefficient is None or saved.r is None:
+        alpha.neg_()
+    else:
+        alpha = saved.coefficient * sum_g - alpha / (saved.r**2)
+    # (g - mean(g) + centred * alpha) / std, in two fused passes
+    return InputGradTerms(th.neg(sum_g).div_(th.mul(std, constants.n)), alpha.div_(std))
 
 
 class BatchRenormTraining(th.autograd.Function):

@@ -191,3 +191,21 @@ class RenormCritics(StackedCritics):
         q[:, b:] = 0.0  # no loss on the second half
         self.backward_step(q)
         return loss
+
+    def backward_step(self, d_q: th.Tensor) -> None:
+        """
+        :meth:`StackedCritics.backward_step`; the norm before the one-unit output layers of stacked critics in training
+        mode takes its column sums from that layer's gradients (:meth:`StackedRenorm.backward_linear`).
+        """
+        last = self.norms[-1] if self.norms else None
+        centred = last.centred() if last is not None and self.width == 1 and self.groups > 1 else None
+        if centred is None:
+            super().backward_step(d_q)
+            return
+        assert last is not None
+        head = self.head
+        th.bmm(d_q.transpose(1, 2), centred, out=head.grad_weight)
+        th.sum(d_q, 1, out=head.grad_bias)
+        d_last = last.backward_linear(d_q, head.weight, head.grad_weight, head.grad_bias, None)
+        self.chain.backward(d_last, output_norm=False)
+        self.adam.step()

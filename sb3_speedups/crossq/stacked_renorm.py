@@ -21,6 +21,7 @@ from sb3_speedups.crossq.batch_renorm import (
     batch_statistics,
     eval_renorm,
     renorm_backward,
+    renorm_backward_from_sums,
     renorm_constants,
     renorm_output,
 )
@@ -122,3 +123,41 @@ class StackedRenorm:
         assert self._saved is not None and self._constants is not None, "backward before forward"
         # the affine parameters' gradients straight into the flat gradient buffer's views
         return renorm_backward(self._saved, grad, input_grad, self._constants, self._last, self.grad_scale, self.grad_bias)[0]
+
+    def centred(self) -> th.Tensor | None:
+        """:return: the last training-mode forward's centred input (what :meth:`backward_linear` wants), else ``None``"""
+        return self._saved.centred if self.training and self._saved is not None else None
+
+    def backward_linear(
+        self, d: th.Tensor, weight: th.Tensor, grad_weight: th.Tensor, grad_bias: th.Tensor, grad_y: th.Tensor | None
+    ) -> th.Tensor:
+        """
+        The training-mode backward when the output ``y`` feeds a ``Linear`` layer, with the two column sums over the
+        block taken from that layer's gradients (docs/maths.md, "CrossQ batch renormalisation", "Through the next
+        layer"): ``sum(dy) = sum(d) W`` and ``sum(dy * centred) = sum_j W * (d^T centred)``.
+
+        :param d: the gradient of the layer's output (``[G, n, out]``, or ``[n, out]`` for one layer)
+        :param weight: the layer's weight ``[G, out, F]`` (or ``[out, F]``)
+        :param grad_weight: holds ``d^T @ centred`` (:meth:`centred`); becomes the weight's gradient ``d^T @ y``
+        :param grad_bias: the layer's bias gradient ``sum(d)`` (``[G, out]`` or ``[out]``)
+        :param grad_y: ``d @ weight``, the output's gradient, or ``None`` for a one-unit layer (``out == 1``): made
+            here as an outer product, fused into the input gradient's first pass
+        :return: the gradient of the input
+        """
+        saved, constants = self._saved, self._constants
+        assert self.training and saved is not None and constants is not None and self._last is not None
+        # the weight's gradient d^T (centred * factor + offset), from d^T centred
+        sum_grad = th.matmul(grad_bias.unsqueeze(-2), weight)
+        sum_grad_centred = th.sum(th.mul(weight, grad_weight), dim=-2, keepdim=True)
+        grad_weight.mul_(saved.factor).addcmul_(grad_bias.unsqueeze(-1), saved.offset)
+        terms = renorm_backward_from_sums(saved, sum_grad, sum_grad_centred, True, constants)
+        assert terms is not None
+        if self.grad_scale is not None and self.grad_bias is not None:
+            self.grad_scale.copy_(sum_grad_centred)
+            self.grad_bias.copy_(sum_grad)
+        out = self._last.grad_x
+        if grad_y is None:
+            grad_x = th.addcmul(terms.mean_term, d, th.mul(weight, saved.factor), out=out)
+        else:
+            grad_x = th.addcmul(terms.mean_term, grad_y, saved.factor, out=out)
+        return grad_x.addcmul_(saved.centred, terms.alpha)

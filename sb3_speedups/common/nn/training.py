@@ -37,6 +37,21 @@ class InputNorm(Protocol):
         """Write the parameters' gradients given the output's gradient; :return: the input's (when ``input_grad``)"""
         ...
 
+    def centred(self) -> th.Tensor | None:
+        """:return: the last forward's centred input when :meth:`backward_linear` can run now, else ``None``"""
+        ...
+
+    def backward_linear(
+        self, d: th.Tensor, weight: th.Tensor, grad_weight: th.Tensor, grad_bias: th.Tensor, grad_y: th.Tensor | None
+    ) -> th.Tensor:
+        """
+        :meth:`backward` of a norm whose output feeds a layer (``weight``) with output gradient ``d``, taking its column
+        sums from that layer's gradients: ``grad_weight`` holds ``d^T @ centred()`` and becomes the layer's weight
+        gradient, ``grad_bias`` holds ``sum(d)``; ``grad_y`` is ``d @ weight`` (``None`` for a one-unit layer).
+        :return: the input's gradient
+        """
+        ...
+
 
 @dataclass
 class _Workspace:
@@ -211,23 +226,35 @@ class MlpChain:
         """:return: what the last forward of ``n`` rows returned (``[G, n, out]``)"""
         return self._output if self.norms is not None else self.ws[n].acts[-1]
 
-    def _backward_normed(self, d: th.Tensor) -> None:
-        """:meth:`backward` with :attr:`norms`, over all the rows of the last forward (``d`` is the output's gradient)"""
+    def _backward_normed(self, d: th.Tensor, output_norm: bool) -> None:
+        """
+        :meth:`backward` with :attr:`norms`, over all the rows of the last forward (``d`` is the output's gradient, or
+        without ``output_norm`` the gradient of the last activations before the output norm)
+        """
         assert self.norms is not None
         ws, backward_, mm, normed = self.ws[d.shape[-2]], self._backward, self._mm, self._normed
         d = self._mat(d)
         last = self.norms[-1]
-        if last is not None:
+        if last is not None and output_norm:
             d = last.backward(d, True)  # type: ignore[assignment]
         for k in range(len(self.weights) - 1, -1, -1):
             backward_(d, ws.acts_m[k])
             gw = self._grad_weights_m[k]
+            norm = self.norms[k]
+            # a norm between two layers takes its column sums from this layer's gradients (fewer passes over the block)
+            centred = norm.centred() if k > 0 and norm is not None and gw.shape[-1] >= gw.shape[-2] else None
+            if centred is not None:
+                assert norm is not None
+                mm(d.mT, centred, out=gw)
+                th.sum(d, self._row_dim, out=self._grad_biases_m[k])
+                d_y = mm(d, self._weights_m[k], out=ws.grads_m[k - 1])
+                d = norm.backward_linear(d, self._weights_m[k], gw, self._grad_biases_m[k], d_y)
+                continue
             if gw.shape[-1] < gw.shape[-2]:  # as in backward: the transposed product of a narrow input
                 self._grad_weights_t_m[k].copy_(mm(normed[k].mT, d))
             else:
                 mm(d.mT, normed[k], out=gw)
             th.sum(d, self._row_dim, out=self._grad_biases_m[k])
-            norm = self.norms[k]
             if k > 0:
                 d = mm(d, self._weights_m[k], out=ws.grads_m[k - 1])
                 d = d if norm is None else norm.backward(d, True)  # type: ignore[assignment]
@@ -241,18 +268,20 @@ class MlpChain:
             return x
         return self._torch_(x)
 
-    def backward(self, d_last: th.Tensor, n: int | None = None) -> None:
+    def backward(self, d_last: th.Tensor, n: int | None = None, output_norm: bool = True) -> None:
         """
         Write the weight and bias gradients, given the gradient of the last activations (overwritten).
 
         :param d_last: ``[G, rows, out]``, for the first ``rows`` rows of the last forward
         :param n: the row count of that forward, when it ran more rows than ``d_last`` has (an off-policy actor runs
             the observations and the next observations in one forward and back-propagates the first half only)
+        :param output_norm: ``d_last`` is the gradient of the output norm's output; ``False``: of its input (the
+            caller ran that norm's backward)
         """
         if self.norms is not None:
             if n is not None and n != d_last.shape[1]:
                 raise ValueError("a chain with norms back-propagates all the rows of its forward")
-            self._backward_normed(d_last)
+            self._backward_normed(d_last, output_norm)
             return
         ws, h, h_t = self._rows(d_last, n)
         backward_, mm = self._backward, self._mm
