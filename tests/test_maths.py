@@ -227,6 +227,53 @@ def test_crossq_batch_renorm_gradient_equals_autograd(renorm, affine):
         th.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("out_features", [1, 7], ids=["one-unit", "layer"])
+@pytest.mark.parametrize("renorm", [False, True], ids=["warmup", "renorm"])
+def test_crossq_norm_through_next_layer_equals_autograd(renorm, out_features):
+    # StackedRenorm.backward_linear (docs/maths.md, "Through the next layer"): two stacked BatchRenorm1d layers, each
+    # feeding its own Linear layer, with the norm's column sums taken from that layer's gradients; the norm's input,
+    # scale and bias gradients and the layer's weight gradient against autograd, float64. A one-unit layer (the
+    # critics' output) forms the output's gradient as an outer product inside the first pass; a wider one takes it given.
+    from sb3_contrib.common.torch_layers import BatchRenorm1d
+
+    from sb3_speedups.common.nn.flat import FlatParameters
+    from sb3_speedups.crossq.batch_renorm import RenormCounts
+    from sb3_speedups.crossq.stacked_renorm import StackedRenorm
+
+    gen = th.Generator().manual_seed(1)
+    layers = [BatchRenorm1d(9, warmup_steps=3).double() for _ in range(2)]
+    with th.no_grad():
+        for m in layers:
+            m.steps.fill_(4 if renorm else 0)
+            m.ra_mean.normal_(generator=gen)
+            m.ra_var.uniform_(0.3, 3.0, generator=gen)
+            m.scale.uniform_(0.5, 1.5, generator=gen)
+            m.bias.normal_(generator=gen)
+    stock = copy.deepcopy(layers)
+    flat = FlatParameters([p for m in layers for p in m.parameters()], [m.scale for m in layers] + [m.bias for m in layers])
+    norm = StackedRenorm(layers, flat)
+    norm.counts = RenormCounts(*layers)
+    x = th.randn(2, 2 * N, 9, generator=gen, dtype=th.float64) * 2 + 0.5
+    weight = th.randn(2, out_features, 9, generator=gen, dtype=th.float64).requires_grad_(True)
+    upstream = th.randn(2, 2 * N, out_features, generator=gen, dtype=th.float64)
+    upstream[:, N:] = 0.0
+    norm.forward(x)
+    centred = norm.centred()
+    assert centred is not None
+    grad_weight, grad_bias = th.bmm(upstream.mT, centred), upstream.sum(1)
+    grad_y = None if out_features == 1 else th.bmm(upstream, weight.detach())
+    got_x = norm.backward_linear(upstream, weight.detach(), grad_weight, grad_bias, grad_y)
+    x_ref = x.clone().requires_grad_(True)
+    y = th.stack([m.train()(x_ref[g]) for g, m in enumerate(stock)])
+    params = [x_ref, weight, *(m.scale for m in stock), *(m.bias for m in stock)]
+    expected = th.autograd.grad((th.bmm(y, weight.mT) * upstream).sum(), params)
+    th.testing.assert_close(got_x, expected[0], rtol=1e-10, atol=1e-12)
+    th.testing.assert_close(grad_weight, expected[1], rtol=1e-10, atol=1e-12)
+    for g, m in enumerate(layers):
+        th.testing.assert_close(flat.grad_of(m.scale), expected[2 + g], rtol=1e-10, atol=1e-12)
+        th.testing.assert_close(flat.grad_of(m.bias), expected[4 + g], rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("renorm", [False, True], ids=["warmup", "renorm"])
 def test_crossq_chain_with_norms_equals_autograd(renorm):
     # MlpChain with StackedRenorm input and output norms (CrossQ's critics: BatchRenorm1d before each Linear layer and
