@@ -146,9 +146,9 @@ class StackedRenorm:
         """
         saved, constants = self._saved, self._constants
         assert self.training and saved is not None and constants is not None and self._last is not None
-        # the weight's gradient d^T (centred * factor + offset), from d^T centred
         sum_grad = th.matmul(grad_bias.unsqueeze(-2), weight)
         sum_grad_centred = th.sum(th.mul(weight, grad_weight), dim=-2, keepdim=True)
+        # the weight's gradient d^T (centred * factor + offset), from d^T centred
         grad_weight.mul_(saved.factor).addcmul_(grad_bias.unsqueeze(-1), saved.offset)
         terms = renorm_backward_from_sums(saved, sum_grad, sum_grad_centred, True, constants)
         assert terms is not None
