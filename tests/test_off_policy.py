@@ -247,3 +247,10 @@ def test_bundled_fast_sac_config_builds_ours_with_small_nets() -> None:
         assert [m.out_features for m in model.actor.latent_pi if isinstance(m, th.nn.Linear)] == [64, 64]
         model.learn(100)
         assert model._n_updates > 0
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_logged_mean_equals_stock_np_mean(n: int) -> None:
+    """The logged mean of a train() call's per-step losses is stock's ``np.mean`` of their ``.item()`` floats, exactly."""
+    values = [th.tensor(v, dtype=th.float32) for v in np.random.default_rng(0).normal(size=n) * 1e3]
+    assert off_policy_training.mean_of(values) == np.mean([v.item() for v in values])
