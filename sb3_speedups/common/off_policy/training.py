@@ -83,6 +83,6 @@ def split_minibatches(model: OffPolicyAlgorithm, gradient_steps: int, batch_size
 
 def mean_of(values: list[th.Tensor]) -> float:
     """:return: the mean of per-step scalars as stock logs it (``np.mean`` of their Python floats), one host read"""
-    if len(values) == 1:  # one gradient step per train() (SAC's and CrossQ's configs): the value itself, 20x cheaper
+    if len(values) == 1:  # one gradient step per train() (train_freq=1: SAC, TD3, TQC, CrossQ): the value, 20x cheaper
         return float(values[0])
     return float(np.mean(th.stack([v.reshape(()) for v in values]).tolist()))
