@@ -76,6 +76,9 @@ class StackedRenorm:
         # per input shape: the kept blocks and the layer's constants for that row count
         self._buffers: dict[tuple[int, ...], tuple[RenormBuffers, RenormConstants]] = {}
         self._last: RenormBuffers | None = None
+        # the next layer's weight times its gradient, kept: measured in a step, the product into a fresh [2, 256, 256]
+        # block took ~280 us against ~35 us into a kept one
+        self._products: th.Tensor | None = None
 
     def _buffers_for(self, x: th.Tensor) -> tuple[RenormBuffers, RenormConstants]:
         found = self._buffers.get(tuple(x.shape))
@@ -147,7 +150,10 @@ class StackedRenorm:
         saved, constants = self._saved, self._constants
         assert self.training and saved is not None and constants is not None and self._last is not None
         sum_grad = th.matmul(grad_bias.unsqueeze(-2), weight)
-        sum_grad_centred = th.sum(th.mul(weight, grad_weight), dim=-2, keepdim=True)
+        if self._products is None or self._products.shape != weight.shape:
+            with th.inference_mode(False):  # a normal tensor, usable in any mode
+                self._products = th.empty_like(weight)
+        sum_grad_centred = th.sum(th.mul(weight, grad_weight, out=self._products), dim=-2, keepdim=True)
         # the weight's gradient d^T (centred * factor + offset), from d^T centred
         grad_weight.mul_(saved.factor).addcmul_(grad_bias.unsqueeze(-1), saved.offset)
         terms = renorm_backward_from_sums(saved, sum_grad, sum_grad_centred, True, constants)
