@@ -1,9 +1,14 @@
 """
 Torch's settings follow the work: convolutions get every core (as stock runs), small MLPs one, a user's choice wins;
-convolutions train on channels-last inputs.
+convolutions train on channels-last inputs; training convolutions keeps freed large blocks in the process.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch as th
@@ -74,3 +79,50 @@ def test_convolutions_train_on_channels_last_inputs(cls, kwargs, torch_threads_r
         assert all(t.is_contiguous(memory_format=th.channels_last) for t in actor.outputs)
         return
     assert seen[True] == {True}  # acting's inputs come as they are (VecTransposeImage's views are channels-last already)
+
+
+# Builds a model in a fresh process (the allocator setting is process-wide and stays), then allocates and frees two
+# 40 MB blocks, four times to settle the heap and five times counting page faults: glibc maps blocks of 32 MB and more
+# afresh each time by default (a fault per 4 KB page, ~100k in all), and reuses them once the setting is in effect
+# (none, or one block's worth in a round while the heap settles: seen after two rounds, not after four).
+_FAULTS_AFTER_MODEL = textwrap.dedent(
+    """
+    import resource, sys
+    import torch as th
+    from stable_baselines3.common.env_util import make_vec_env
+    from gymnasium import spaces
+    from sb3_speedups import PPO
+    from sb3_speedups.common import torch_utils
+    from tests.space_envs import BoxObsEnv
+
+    image = sys.argv[1] == "Cnn"
+    env = make_vec_env(lambda: BoxObsEnv(spaces.Discrete(3), image=image), n_envs=1, seed=0)
+    PPO(sys.argv[1] + "Policy", env, n_steps=16, batch_size=16, seed=0)
+    for rounds in (4, 5):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(rounds):
+            a, b = th.ones(10 * 2**20), th.ones(10 * 2**20)
+            del a, b
+    print(torch_utils._freed_blocks_kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    """
+)
+
+
+def _faults_after_model(policy: str, **env_vars: str) -> tuple[bool, int]:
+    """:return: whether the setting is in effect after building a PPO ``policy`` model, and the page faults counted"""
+    env = {k: v for k, v in os.environ.items() if k not in torch_utils._MALLOC_ENV_VARS} | env_vars
+    out = subprocess.run(
+        [sys.executable, "-c", _FAULTS_AFTER_MODEL, policy], env=env, capture_output=True, text=True, check=True, timeout=300
+    ).stdout.split()
+    return out[-2] == "True", int(out[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_convolutions_keep_freed_blocks_mlps_and_a_users_malloc_settings_do_not():
+    pages = 2 * 10 * 2**20 * 4 // 4096  # of one round's two blocks
+    kept, faults = _faults_after_model("Cnn")
+    assert kept and faults < 2 * pages  # none, with a margin of two rounds' worth
+    kept, faults = _faults_after_model("Mlp")
+    assert not kept and faults > 4 * pages  # glibc's default: each round's blocks are faulted in afresh
+    kept, _ = _faults_after_model("Cnn", MALLOC_ARENA_MAX="2", MALLOC_TOP_PAD_="0")
+    assert not kept  # the user set glibc's malloc variables: theirs win

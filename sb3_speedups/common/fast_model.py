@@ -1,7 +1,7 @@
 """
-What every drop-in algorithm of this package does around its speed-only state, in one place: the torch thread
-setting at setup, the ``_speedups`` attribute that is rebuilt when needed and never saved, and the ``fast_update``
-switch in front of the algorithm's own reasons for the autograd fallback; and, from
+What every drop-in algorithm of this package does around its speed-only state, in one place: the torch thread and
+allocator settings at setup, the ``_speedups`` attribute that is rebuilt when needed and never saved, and the
+``fast_update`` switch in front of the algorithm's own reasons for the autograd fallback; and, from
 :class:`~sb3_speedups.common.training_mode.FastTrainingMode`, the kept training-mode switch.
 
 Use it first among the bases of a stock algorithm, before the other mixins::
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from sb3_speedups.common.torch_utils import apply_num_threads
+from sb3_speedups.common.torch_utils import apply_num_threads, keep_freed_blocks
 from sb3_speedups.common.training_mode import FastTrainingMode
 
 
@@ -37,6 +37,7 @@ class FastModel(FastTrainingMode):
         apply_num_threads(self.num_threads)
         super()._setup_model()  # type: ignore[safe-super]  # a mixin: the stock class after it implements it
         apply_num_threads(self.num_threads, self.policy)  # type: ignore[attr-defined]  # by the network's shapes
+        keep_freed_blocks(self.policy, self.device)  # type: ignore[attr-defined]
         self._after_stock_setup()
         self._speedups = None
 

@@ -1,7 +1,8 @@
-"""Thread defaults and small torch helpers shared by the algorithms."""
+"""Thread and memory-allocator defaults, and small torch helpers shared by the algorithms."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -77,6 +78,50 @@ def apply_num_threads(num_threads: int | None, network: nn.Module | None = None)
         th.set_num_threads(default)
         _package_set = default
     return th.get_num_threads()
+
+
+# glibc's mallopt parameters, and what convolutional training sets them to: blocks up to REUSED_BLOCK_BYTES come from
+# the heap, and up to KEPT_FREE_BYTES of freed heap stay with the process (see keep_freed_blocks)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+REUSED_BLOCK_BYTES = 256 * 2**20
+KEPT_FREE_BYTES = 2**30
+# set by the user: glibc reads them at start-up, and their choice wins
+_MALLOC_ENV_VARS = (
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_TOP_PAD_",
+    "MALLOC_MMAP_MAX_",
+    "GLIBC_TUNABLES",
+)
+_freed_blocks_kept = False
+
+
+def keep_freed_blocks(network: nn.Module, device: th.device) -> bool:
+    """
+    For a network with convolutions trained on the CPU, let glibc's ``malloc`` reuse freed blocks of up to
+    :data:`REUSED_BLOCK_BYTES` instead of returning them to the system. Each minibatch of a convolutional update
+    allocates and frees tens of megabytes (its float inputs, activations and gradients); by default glibc maps such
+    blocks afresh and unmaps them when freed, so every minibatch pays a page fault per 4 KB page again. The numbers
+    computed do not change. Nothing is set where the user set glibc's malloc variables, on another C library, or
+    for a network without convolutions.
+
+    :param network: the policy, once built
+    :param device: where it trains
+    :return: whether the setting is in effect in this process (set now or before)
+    """
+    global _freed_blocks_kept
+    if _freed_blocks_kept:
+        return True
+    if device.type != "cpu" or not has_convolutions(network) or any(var in os.environ for var in _MALLOC_ENV_VARS):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (macOS, Windows)
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # the trim threshold first: setting either turns off glibc's own adjustment of both
+    _freed_blocks_kept = bool(mallopt(_M_TRIM_THRESHOLD, KEPT_FREE_BYTES) and mallopt(_M_MMAP_THRESHOLD, REUSED_BLOCK_BYTES))
+    return _freed_blocks_kept
 
 
 def available_cpus() -> int:

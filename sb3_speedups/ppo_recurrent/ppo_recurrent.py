@@ -32,7 +32,7 @@ from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_speedups.common.nn.optim import FlatOptimizerStep
 from sb3_speedups.common.on_policy.ppo_loss import kl_stops, record_train_stats, start_train
-from sb3_speedups.common.torch_utils import apply_num_threads
+from sb3_speedups.common.torch_utils import apply_num_threads, keep_freed_blocks
 from sb3_speedups.ppo_recurrent.buffers import FastRecurrentRolloutBuffer
 from sb3_speedups.ppo_recurrent.collection import (
     FrozenRecurrentActor,
@@ -77,6 +77,7 @@ class RecurrentPPO(sb3_contrib.RecurrentPPO):
         self.policy_class = FAST_POLICIES.get(self.policy_class, self.policy_class)
         super()._setup_model()
         apply_num_threads(self.num_threads, self.policy)  # by the network's shapes: convolutions get every core
+        keep_freed_blocks(self.policy, self.device)
         if type(self.rollout_buffer) is RecurrentRolloutBuffer:
             self.rollout_buffer = FastRecurrentRolloutBuffer(
                 self.n_steps,
