@@ -110,7 +110,7 @@ _FAULTS_AFTER_MODEL = textwrap.dedent(
 
 def _faults_after_model(policy: str, **env_vars: str) -> tuple[bool, int]:
     """:return: whether the setting is in effect after building a PPO ``policy`` model, and the page faults counted"""
-    env = {k: v for k, v in os.environ.items() if k not in torch_utils._MALLOC_ENV_VARS} | env_vars
+    env = {k: v for k, v in os.environ.items() if k not in (*torch_utils._MALLOC_ENV_VARS, "GLIBC_TUNABLES")} | env_vars
     out = subprocess.run(
         [sys.executable, "-c", _FAULTS_AFTER_MODEL, policy], env=env, capture_output=True, text=True, check=True, timeout=300
     ).stdout.split()
@@ -124,5 +124,6 @@ def test_convolutions_keep_freed_blocks_mlps_and_a_users_malloc_settings_do_not(
     assert kept and faults < 2 * pages  # none, with a margin of two rounds' worth
     kept, faults = _faults_after_model("Mlp")
     assert not kept and faults > 4 * pages  # glibc's default: each round's blocks are faulted in afresh
-    kept, _ = _faults_after_model("Cnn", MALLOC_ARENA_MAX="2", MALLOC_TOP_PAD_="0")
-    assert not kept  # the user set glibc's malloc variables: theirs win
+    assert _faults_after_model("Cnn", GLIBC_TUNABLES="glibc.cpu.x86_shstk=off")[0]  # not a malloc parameter
+    for env_var in ({"MALLOC_TOP_PAD_": "0"}, {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1000000"}):
+        assert not _faults_after_model("Cnn", **env_var)[0]  # the user set glibc's malloc parameters: theirs win

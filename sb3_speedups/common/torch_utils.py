@@ -85,14 +85,8 @@ def apply_num_threads(num_threads: int | None, network: nn.Module | None = None)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 REUSED_BLOCK_BYTES = 256 * 2**20
 KEPT_FREE_BYTES = 2**30
-# set by the user: glibc reads them at start-up, and their choice wins
-_MALLOC_ENV_VARS = (
-    "MALLOC_MMAP_THRESHOLD_",
-    "MALLOC_TRIM_THRESHOLD_",
-    "MALLOC_TOP_PAD_",
-    "MALLOC_MMAP_MAX_",
-    "GLIBC_TUNABLES",
-)
+# set by the user (or glibc.malloc.* in GLIBC_TUNABLES): glibc reads them at start-up, and their choice wins
+_MALLOC_ENV_VARS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 _freed_blocks_kept = False
 
 
@@ -102,8 +96,8 @@ def keep_freed_blocks(network: nn.Module, device: th.device) -> bool:
     :data:`REUSED_BLOCK_BYTES` instead of returning them to the system. Each minibatch of a convolutional update
     allocates and frees tens of megabytes (its float inputs, activations and gradients); by default glibc maps such
     blocks afresh and unmaps them when freed, so every minibatch pays a page fault per 4 KB page again. The numbers
-    computed do not change. Nothing is set where the user set glibc's malloc variables, on another C library, or
-    for a network without convolutions.
+    computed do not change. Nothing is set where the user set glibc's malloc parameters (``MALLOC_*_`` or
+    ``glibc.malloc.*`` in ``GLIBC_TUNABLES``), on another C library, or for a network without convolutions.
 
     :param network: the policy, once built
     :param device: where it trains
@@ -112,16 +106,21 @@ def keep_freed_blocks(network: nn.Module, device: th.device) -> bool:
     global _freed_blocks_kept
     if _freed_blocks_kept:
         return True
-    if device.type != "cpu" or not has_convolutions(network) or any(var in os.environ for var in _MALLOC_ENV_VARS):
+    if device.type != "cpu" or not has_convolutions(network) or _user_set_malloc():
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc (macOS, Windows)
+    except (OSError, AttributeError, TypeError):  # not glibc (macOS, Windows)
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # the trim threshold first: setting either turns off glibc's own adjustment of both
     _freed_blocks_kept = bool(mallopt(_M_TRIM_THRESHOLD, KEPT_FREE_BYTES) and mallopt(_M_MMAP_THRESHOLD, REUSED_BLOCK_BYTES))
     return _freed_blocks_kept
+
+
+def _user_set_malloc() -> bool:
+    """:return: whether the environment sets glibc's malloc parameters"""
+    return any(var in os.environ for var in _MALLOC_ENV_VARS) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "")
 
 
 def available_cpus() -> int:
