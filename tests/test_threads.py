@@ -6,6 +6,7 @@ convolutions train on channels-last inputs; training convolutions keeps freed la
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -117,7 +118,7 @@ def _faults_after_model(policy: str, **env_vars: str) -> tuple[bool, int]:
     return out[-2] == "True", int(out[-1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
 def test_convolutions_keep_freed_blocks_mlps_and_a_users_malloc_settings_do_not():
     pages = 2 * 10 * 2**20 * 4 // 4096  # of one round's two blocks
     kept, faults = _faults_after_model("Cnn")
