@@ -87,6 +87,9 @@ CASES: dict[str, Case] = {
         Case("tqc_pendulum", "tqc", "Pendulum-v1", "hyperparams/tqc.yml", 1_000),
         Case("qrdqn_cartpole", "qrdqn", "CartPole-v1", "hyperparams/qrdqn.yml", 10_000),
         Case("crossq_pendulum", "crossq", "Pendulum-v1", "hyperparams/crossq.yml", 1_000),
+        # pixels (ale-py): two PPO rollouts of 8 envs x 128 steps; 20 A2C updates of 16 envs x 5 steps
+        Case("ppo_breakout", "ppo", "BreakoutNoFrameskip-v4", "hyperparams/ppo.yml", 2_048),
+        Case("a2c_breakout", "a2c", "BreakoutNoFrameskip-v4", "hyperparams/a2c.yml", 1_600),
     )
 }
 

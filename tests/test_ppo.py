@@ -8,18 +8,19 @@ from gymnasium import spaces
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.policies import ActorCriticPolicy
-from stable_baselines3.common.vec_env import VecNormalize
+from stable_baselines3.common.vec_env import VecFrameStack, VecNormalize
 
 from sb3_speedups import PPO
 from sb3_speedups.common.nn.heads import make_head
 from sb3_speedups.common.on_policy.buffers import env_major_to_time_major
+from sb3_speedups.common.torch_utils import is_channels_last
 from sb3_speedups.ppo.minibatches import Minibatch, MinibatchSampler
 from sb3_speedups.ppo.update import STATS, AutogradPPOUpdate, HandDerivedPPOUpdate, PPOLossConfig
 from sb3_speedups.errors import UserError
 from sb3_speedups.registry import get_algo
 from tests.algo_cases import PPO_SMALL as SMALL
 from tests.algo_cases import Counter
-from tests.space_envs import ACTION_SPACES, box_env, rollout_case
+from tests.space_envs import ACTION_SPACES, box_env, image_env, rollout_case
 
 
 @pytest.mark.parametrize("name", ACTION_SPACES)
@@ -161,6 +162,35 @@ def test_other_policies_learn_with_the_autograd_update(name, reason):
     assert isinstance(updater, AutogradPPOUpdate) and updater.adam is not None  # flat fused Adam all the same
     assert model.num_timesteps == 64
     assert any(not th.equal(p, q) for p, q in zip(model.policy.parameters(), before, strict=True))
+
+
+@pytest.mark.parametrize("policy,channels_last", [("CnnPolicy", True), ("MlpPolicy", False)])
+@pytest.mark.parametrize("gather", ["epoch", "minibatch"])
+def test_image_rollouts_are_stored_and_served_channels_last_to_convolutions(policy, channels_last, gather):
+    """A CNN trained on the CPU reads image observations channels-last: the rollout stores them so (SB3's shape and
+    values) and both gathers serve them so, the same rows as plain indexing; an MLP keeps SB3's plain layout."""
+    model = PPO(policy, VecFrameStack(image_env(spaces.Discrete(3))(), 4), seed=0, **SMALL)  # 4 channels, as Atari's
+    model.learn(2 * SMALL["n_steps"] * model.n_envs)
+    buffer = model.rollout_buffer
+    obs = buffer.observations
+    assert obs.shape == (model.n_steps, model.n_envs, *model.observation_space.shape)
+    assert (obs.strides[2] == obs.itemsize) == channels_last  # channels innermost in memory
+    flat = buffer.flat_observations()
+    assert is_channels_last(flat) == channels_last
+    assert np.array_equal(flat.numpy(), np.ascontiguousarray(obs).reshape(flat.shape))
+    assert flat.float().std() > 0  # real frames, not the zeros of an empty buffer
+    # plain rows (as ALE's vector env hands them over) are stored as they are, into the same layout
+    rows = np.random.default_rng(0).integers(0, 256, obs.shape[1:], dtype=np.uint8)
+    buffer.reset()
+    zeros = np.zeros(model.n_envs, dtype=np.float32)
+    buffer.add(rows, zeros[:, None], zeros, zeros, th.zeros(model.n_envs), th.zeros(model.n_envs))
+    assert np.array_equal(buffer.observations[0], rows) and buffer.observations.strides == obs.strides
+    sampler = MinibatchSampler(model.n_steps, model.n_envs, 8, model.device, gather_observations=gather)
+    sampler.load(flat, {"actions": buffer.flat("actions")}, th.zeros(4, flat.shape[0]))
+    sampler.shuffle()
+    for mb in sampler.minibatches():
+        assert is_channels_last(mb.observations) == channels_last
+        assert th.equal(mb.observations, flat[sampler.index[mb.start : mb.end]])
 
 
 def test_collection_acts_from_a_copy_synced_once_per_rollout():

@@ -60,6 +60,29 @@ def _channels_last(tensor: th.Tensor) -> th.Tensor:
     return tensor.contiguous(memory_format=th.channels_last) if tensor.dim() == 4 else tensor
 
 
+def is_channels_last(tensor: th.Tensor) -> bool:
+    """:return: whether ``tensor`` is 4-D and laid out channels-last (and not also plain contiguous, as one channel is)"""
+    return tensor.dim() == 4 and tensor.is_contiguous(memory_format=th.channels_last) and not tensor.is_contiguous()
+
+
+def select_rows(source: th.Tensor, index: th.Tensor, out: th.Tensor | None = None) -> th.Tensor:
+    """
+    ``th.index_select(source, 0, index)``, keeping a channels-last ``source`` channels-last (``index_select`` itself
+    returns plain contiguous rows, which training would convert back).
+
+    :param source: rows to select from
+    :param index: the rows, ``[k]``
+    :param out: where to write them (channels-last when ``source`` is)
+    :return: the selected rows ``[k, ...]``
+    """
+    if not is_channels_last(source):
+        return th.index_select(source, 0, index, out=out)
+    if out is None:
+        return th.index_select(source.permute(0, 2, 3, 1), 0, index).permute(0, 3, 1, 2)
+    th.index_select(source.permute(0, 2, 3, 1), 0, index, out=out.permute(0, 2, 3, 1))
+    return out
+
+
 def apply_num_threads(num_threads: int | None, network: nn.Module | None = None) -> int:
     """
     Set torch's intra-op threads: ``num_threads`` when given, else, unless the user already chose a value, the

@@ -15,6 +15,7 @@ import numpy as np
 import torch as th
 
 from sb3_speedups.common.on_policy.buffers import env_major_to_time_major
+from sb3_speedups.common.torch_utils import is_channels_last, select_rows
 
 Observations = th.Tensor | dict[str, th.Tensor]
 
@@ -55,8 +56,10 @@ def normalize_chunks_(x: th.Tensor, chunk: int) -> None:
 
 @th.inference_mode(False)
 def _empty(shape: list[int], like: th.Tensor, device: th.device | None = None) -> th.Tensor:
-    """A normal tensor even under inference mode (PPO's hand-derived update runs there), usable in any mode."""
-    return th.empty(shape, dtype=like.dtype, device=like.device if device is None else device)
+    """A normal tensor even under inference mode (PPO's hand-derived update runs there), usable in any mode, laid out
+    channels-last where ``like`` is."""
+    layout = th.channels_last if is_channels_last(like) else th.contiguous_format
+    return th.empty(shape, dtype=like.dtype, device=like.device if device is None else device, memory_format=layout)
 
 
 class MinibatchSampler:
@@ -149,7 +152,7 @@ class MinibatchSampler:
         out = self._epoch.get(name)
         if out is None or list(out.shape) != shape or out.dtype != source.dtype or out.device != source.device:
             out = self._epoch[name] = _empty(shape, source)
-        return th.index_select(source, dim, index, out=out)
+        return select_rows(source, index, out) if dim == 0 else th.index_select(source, dim, index, out=out)
 
     def shuffle(self) -> None:
         """Draw the epoch's permutation (numpy's global RNG, as SB3) and gather the data in that order."""
@@ -197,8 +200,8 @@ class MinibatchSampler:
         index = self.index[start:end]
         obs = self.observations
         if isinstance(obs, dict):
-            return {k: th.index_select(v, 0, index) for k, v in obs.items()}
-        return th.index_select(obs, 0, index)
+            return {k: select_rows(v, index) for k, v in obs.items()}
+        return select_rows(obs, index)
 
     def minibatches(self) -> Iterator[Minibatch]:
         """:return: the epoch's minibatches, in order (slices of the gathered epoch tensors)"""

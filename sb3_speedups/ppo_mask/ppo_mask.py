@@ -32,6 +32,7 @@ from sb3_speedups.common.nn.optim import adam_unsupported_reason
 from sb3_speedups.common.nn.actor_critic import mlp_unsupported_reason
 from sb3_speedups.common.nn.inputs import flat_input_unsupported_reason
 from sb3_speedups.common.on_policy.base import FastOnPolicy
+from sb3_speedups.common.on_policy.buffers import install_fast_rollout_buffer
 from sb3_speedups.errors import UserValueError
 from sb3_speedups.common.on_policy.collection import collect_rollout
 from sb3_speedups.ppo.minibatches import MinibatchSampler
@@ -81,23 +82,10 @@ class MaskablePPO(PPOTraining, sb3_contrib.MaskablePPO):
     speed_only_attributes: ClassVar[tuple[str, ...]] = ("_speedups", "_fallback_reason")
 
     def _after_stock_setup(self) -> None:
-        fast_classes: dict[Any, type[FastMaskableBase]] = {
-            MaskableRolloutBuffer: FastMaskableRolloutBuffer,
-            MaskableDictRolloutBuffer: FastMaskableDictRolloutBuffer,
-        }
-        fast_class: Any = fast_classes.get(self.rollout_buffer_class)
-        if fast_class is not None:
-            # The stock class name stays in rollout_buffer_class, so saved files load where this package is absent.
-            self.rollout_buffer = fast_class(
-                self.n_steps,
-                self.observation_space,
-                self.action_space,
-                device=self.device,
-                gamma=self.gamma,
-                gae_lambda=self.gae_lambda,
-                n_envs=self.n_envs,
-                **self.rollout_buffer_kwargs,
-            )
+        install_fast_rollout_buffer(
+            self,  # type: ignore[arg-type]  # a mixin of one
+            {MaskableRolloutBuffer: FastMaskableRolloutBuffer, MaskableDictRolloutBuffer: FastMaskableDictRolloutBuffer},
+        )
 
     # ----- speed-only state ---------------------------------------------------------------------------------------
 

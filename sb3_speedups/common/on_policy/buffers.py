@@ -21,6 +21,7 @@ from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
 from stable_baselines3.common.type_aliases import DictRolloutBufferSamples, RolloutBufferSamples
 
 from sb3_speedups.common.on_policy.timeouts import Timeouts
+from sb3_speedups.common.torch_utils import trains_channels_last
 
 
 @dataclass
@@ -152,6 +153,9 @@ class FastRolloutBase:
         """Store one step of every env (SB3's ``RolloutBuffer.add`` signature)."""
         raise NotImplementedError
 
+    def store_images_channels_last(self) -> None:
+        """Lay image observations out channels-last (where the buffer can; nothing here)."""
+
     def add_timeouts(self, timeouts: Timeouts) -> None:
         """
         Remember truncated episodes of the current step (call before :meth:`add`), to recompute their bootstrap.
@@ -251,8 +255,24 @@ class FastRolloutBuffer(FastRolloutBase, RolloutBuffer):
     ) -> None:
         if isinstance(self.observation_space, spaces.Discrete):
             obs = np.asarray(obs).reshape((self.n_envs, *self.obs_shape))
-        self.observations[self.pos] = obs
+        if self.observations.flags.c_contiguous or not (isinstance(obs, np.ndarray) and obs.flags.c_contiguous):
+            self.observations[self.pos] = obs
+        else:  # plain rows into channels-last storage: torch's reordering copy is ~3x faster than numpy's
+            self.tensors_obs[self.pos].copy_(th.from_numpy(obs))
         self._add_common(action, reward, episode_start, value, log_prob)
+
+    def store_images_channels_last(self) -> None:
+        """
+        Keep ``[C, H, W]`` observations channels-last: the same shape and values, laid out ``[H, W, C]`` in memory.
+        ``VecTransposeImage`` hands over frames laid out so (stored here without a transposing copy), and a
+        convolution trained on the CPU reads them so (its minibatches need no conversion).
+        """
+        if len(self.obs_shape) != 3:
+            return
+        c, h, w = self.obs_shape
+        storage = np.zeros((self.buffer_size, self.n_envs, h, w, c), dtype=self.observation_space.dtype)
+        self.observations = storage.transpose(0, 1, 4, 2, 3)
+        self.tensors_obs = th.from_numpy(self.observations)
 
     def flat_observations(self) -> th.Tensor:
         return self.tensors_obs.view(self.buffer_size * self.n_envs, *self.obs_shape)
@@ -300,21 +320,24 @@ class FastDictRolloutBuffer(FastRolloutBase, DictRolloutBuffer):
             yield DictRolloutBufferSamples(obs, *self._common_samples(rows, self.device))
 
 
-def fast_buffer_class(buffer_class: type[RolloutBuffer]) -> type[RolloutBuffer] | None:
-    """:return: our buffer replacing a stock one (``None`` for custom buffer classes, which are used as given)"""
-    return {RolloutBuffer: FastRolloutBuffer, DictRolloutBuffer: FastDictRolloutBuffer}.get(buffer_class)
-
-
-def install_fast_rollout_buffer(model: OnPolicyAlgorithm) -> None:
+def install_fast_rollout_buffer(
+    model: OnPolicyAlgorithm, fast_classes: dict[type[RolloutBuffer], type[RolloutBuffer]] | None = None
+) -> None:
     """
-    Replace the rollout buffer stock ``_setup_model`` made by ours (custom buffer classes are used as given).
+    Replace the rollout buffer stock ``_setup_model`` made by ours (custom buffer classes are used as given). A policy
+    with convolutions trained on the CPU gets its image observations stored channels-last.
 
     :param model: the model, right after stock ``_setup_model``
+    :param fast_classes: our buffer class for each stock one (default: PPO's and A2C's)
     """
-    fast_class = fast_buffer_class(model.rollout_buffer_class)  # type: ignore[arg-type]
+    classes: dict[type[RolloutBuffer], type[RolloutBuffer]] = fast_classes or {
+        RolloutBuffer: FastRolloutBuffer,
+        DictRolloutBuffer: FastDictRolloutBuffer,
+    }
+    fast_class = classes.get(model.rollout_buffer_class)  # type: ignore[arg-type]
     if fast_class is not None:
         # Keep the stock class name in rollout_buffer_class, so saved files load where this package is absent.
-        model.rollout_buffer = fast_class(
+        buffer = model.rollout_buffer = fast_class(
             model.n_steps,
             model.observation_space,  # type: ignore[arg-type]
             model.action_space,
@@ -324,3 +347,5 @@ def install_fast_rollout_buffer(model: OnPolicyAlgorithm) -> None:
             n_envs=model.n_envs,
             **model.rollout_buffer_kwargs,
         )
+        if isinstance(buffer, FastRolloutBase) and trains_channels_last(model.policy, model.device):
+            buffer.store_images_channels_last()
