@@ -9,15 +9,17 @@ from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.envs import SimpleMultiObsEnv
 from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
-from stable_baselines3.common.vec_env import VecNormalize
+from gymnasium.spaces import Discrete
+from stable_baselines3.common.vec_env import VecFrameStack, VecNormalize
 
-from sb3_speedups import DQN
+from sb3_speedups import DQN, QRDQN
 from sb3_speedups.dqn.update import AutogradQUpdate, HandDerivedQUpdate, huber_
 from sb3_speedups.common.replay.sampling import draw_indices, gather, newest_indices, sample_minibatches
 from sb3_speedups.dqn.policies import DuelingMlpPolicy, DuelingQNetwork
 from sb3_speedups.errors import UserError
 from sb3_speedups.registry import get_algo
 from tests.algo_cases import DQN_SMALL as SMALL
+from tests.space_envs import image_env
 
 
 def _pair(n_envs: int = 1, steps: int = 700, **extra):
@@ -159,6 +161,30 @@ def test_multi_env_actions_are_one_batched_greedy_call():
     actions, buffer_actions = model._sample_action(learning_starts=0, n_envs=4)
     np.testing.assert_array_equal(actions, model.policy.predict(obs, deterministic=True)[0])
     assert actions.shape == (4,) and buffer_actions is actions
+
+
+@pytest.mark.parametrize("cls", [DQN, QRDQN])
+def test_cnn_actions_are_the_q_networks_greedy_choice_without_predict(cls, monkeypatch):
+    """Without the MLP actor (a CNN here) acting calls the Q-network's own forward, not predict's per-call checks: the
+    greedy actions are predict's; the exploration draws are stock's (one ``np.random.rand`` per step)."""
+    model = cls("CnnPolicy", VecFrameStack(image_env(Discrete(3))(), 4), seed=0, **{**SMALL, "learning_starts": 20})
+    model.learn(60)
+    assert model._speedups.actor is None and isinstance(model._speedups.updater, AutogradQUpdate)
+    model._last_obs = obs = model.env.reset()
+    expected = model.policy.predict(obs, deterministic=True)[0]
+    model.exploration_rate = 0.0
+    monkeypatch.setattr(model.policy, "predict", None)  # not called
+    actions, buffer_actions = model._sample_action(learning_starts=0, n_envs=2)
+    np.testing.assert_array_equal(actions, expected)
+    assert actions.shape == (2,) and buffer_actions is actions
+    for rate in (0.0, 1.0):  # greedy or random, numpy's global RNG advances by exactly one draw a step
+        model.exploration_rate = rate
+        np.random.seed(5)
+        draws = [model._sample_action(learning_starts=0, n_envs=2)[0] for _ in range(3)]
+        after = np.random.rand()
+        np.random.seed(5)
+        np.random.rand(3)
+        assert after == np.random.rand() and all(d.shape == (2,) for d in draws)
 
 
 def test_dict_observations_train_with_the_autograd_update_and_the_flat_adam():

@@ -134,16 +134,22 @@ class FastQLearning(FastModel, FastOffPolicyCollection):
     def _sample_action(
         self, learning_starts: int, action_noise: ActionNoise | None = None, n_envs: int = 1
     ) -> tuple[np.ndarray, np.ndarray]:
-        speed = self._speedups
-        if speed is None or speed.actor is None or self.num_timesteps < learning_starts or self._last_obs is None:
+        speed, last = self._speedups, self._last_obs
+        if speed is None or self.num_timesteps < learning_starts or last is None:
+            return super()._sample_action(learning_starts, action_noise, n_envs)
+        # Without the MLP actor (a CNN, a dueling net...), the Q-network's own forward, as stock's predict calls it,
+        # minus predict's per-call checks: for stacked observations exactly as the env hands them over.
+        whole_module = speed.actor is None
+        if whole_module and not (type(last) is np.ndarray and last.shape[1:] == self.observation_space.shape):
             return super()._sample_action(learning_starts, action_noise, n_envs)
         # stock DQN's (and QR-DQN's) predict(deterministic=False): one draw decides for all envs of this step
         if np.random.rand() < self.exploration_rate:
             actions = np.array([self.action_space.sample() for _ in range(n_envs)])
+        elif whole_module:
+            actions = speed.updater.q_values(th.as_tensor(last, device=self.device)).argmax(dim=1).cpu().numpy()
         else:
             # The actor's weights are plain tensors (no autograd), so no grad-mode context is needed. numpy's argmax
             # picks the first maximum, as torch's does.
-            last = self._last_obs
             obs = last if isinstance(last, dict) else th.from_numpy(last) if type(last) is np.ndarray else th.as_tensor(last)
             actions = speed.updater.head.q_values(speed.actor(speed.actor.mlp.inputs(obs))).numpy().argmax(axis=1)
         return actions, actions
