@@ -90,6 +90,7 @@ CASES: dict[str, Case] = {
         # pixels (ale-py): two PPO rollouts of 8 envs x 128 steps; 20 A2C updates of 16 envs x 5 steps
         Case("ppo_breakout", "ppo", "BreakoutNoFrameskip-v4", "hyperparams/ppo.yml", 2_048),
         Case("a2c_breakout", "a2c", "BreakoutNoFrameskip-v4", "hyperparams/a2c.yml", 1_600),
+        Case("dqn_breakout", "dqn", "BreakoutNoFrameskip-v4", "hyperparams/dqn.yml", 1_500, {"learning_starts": 1_000}),
     )
 }
 
