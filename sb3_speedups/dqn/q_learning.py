@@ -135,12 +135,11 @@ class FastQLearning(FastModel, FastOffPolicyCollection):
         self, learning_starts: int, action_noise: ActionNoise | None = None, n_envs: int = 1
     ) -> tuple[np.ndarray, np.ndarray]:
         speed, last = self._speedups, self._last_obs
-        if speed is None or self.num_timesteps < learning_starts or last is None:
-            return super()._sample_action(learning_starts, action_noise, n_envs)
         # Without the MLP actor (a CNN, a dueling net...), the Q-network's own forward, as stock's predict calls it,
-        # minus predict's per-call checks: for stacked observations exactly as the env hands them over.
-        whole_module = speed.actor is None
-        if whole_module and not (type(last) is np.ndarray and last.shape[1:] == self.observation_space.shape):
+        # minus predict's per-call checks: for batched observations exactly as the env hands them over.
+        whole_module = speed is not None and speed.actor is None
+        batch = type(last) is np.ndarray and last.shape[1:] == self.observation_space.shape
+        if speed is None or self.num_timesteps < learning_starts or last is None or (whole_module and not batch):
             return super()._sample_action(learning_starts, action_noise, n_envs)
         # stock DQN's (and QR-DQN's) predict(deterministic=False): one draw decides for all envs of this step
         if np.random.rand() < self.exploration_rate:
