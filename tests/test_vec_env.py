@@ -49,12 +49,6 @@ def test_same_as_dummy_for_each_space(obs: str, n_local: int) -> None:
         ours.close()
 
 
-def test_pick_split_prefers_workers_within_noise() -> None:
-    assert pick_split({0: 1.0, 1: 0.5, 2: 0.51, 3: 0.9}) == 1
-    assert pick_split({0: 1.0, 1: 0.52, 2: 0.505, 3: 0.5}) == 2  # 0.52 is more than 3% above the best
-    assert pick_split({4: 0.2}) == 4
-
-
 def test_auto_split_same_as_dummy() -> None:
     # A slow env: the split is rehearsed and the fastest one kept, ties to the workers (depends on the load).
     fns = env_fns(N_ENVS, delay=1e-4)

@@ -37,6 +37,11 @@ PARALLEL_GAIN = 0.8
 REHEARSAL_BUDGET_S = 0.15
 # Rehearsed splits within this fraction of the fastest count as ties (the timings are that noisy).
 SPLIT_TIE_FRACTION = 0.03
+# A rehearsal whose splits spread less than this fraction of the spread the cost model predicts saw no parallel
+# stepping at all: the other cores were busy for that moment (another process, the hypervisor). It is repeated, up
+# to REHEARSAL_TRIES in all, so that one busy moment does not decide the split of a whole run.
+FLAT_FRACTION = 0.5
+REHEARSAL_TRIES = 3
 
 
 def usable_cores() -> int:
@@ -150,17 +155,33 @@ def choose_n_local(pool: Any, n_envs: int, step_cost: float, info_cost: float, k
     n_workers = len(pool.workers)
     candidates = list(range(n_envs - n_workers + 1)) if keep_workers else list(range(n_envs + 1))
     rate = units_per_second()
+    model = _plans(n_envs, n_workers, step_cost, info_cost, candidates)
     plans = {
-        k: (int(main_s * rate), None if worker_s is None else int(worker_s * rate))
-        for k, (main_s, worker_s) in _plans(n_envs, n_workers, step_cost, info_cost, candidates).items()
+        k: (int(main_s * rate), None if worker_s is None else int(worker_s * rate)) for k, (main_s, worker_s) in model.items()
     }
-    predicted = sum(max(m, w or 0) for m, w in plans.values()) / rate
-    rounds = int(np.clip(REHEARSAL_BUDGET_S / max(predicted, 1e-9), 5, 40))
+    model_times = {k: max(main_s, worker_s or 0.0) for k, (main_s, worker_s) in model.items()}
+    rounds = int(np.clip(REHEARSAL_BUDGET_S / max(sum(model_times.values()), 1e-9), 5, 40))
     steps = [plans[k] for _ in range(rounds) for k in candidates]
-    times = np.asarray(pool.rehearse(steps)).reshape(rounds, len(candidates))
-    # Drop the first round (workers waking up, caches), keep the mean: rare long stalls are part of the cost.
-    means = times[1:].mean(axis=0)
-    return dict(zip(candidates, means.tolist(), strict=True))
+    split_times: dict[int, float] = {}
+    for _ in range(REHEARSAL_TRIES):
+        times = np.asarray(pool.rehearse(steps)).reshape(rounds, len(candidates))
+        # Drop the first round (workers waking up, caches), keep the mean: rare long stalls are part of the cost.
+        split_times = dict(zip(candidates, times[1:].mean(axis=0).tolist(), strict=True))
+        if not rehearsal_is_flat(split_times, model_times):
+            break
+    return split_times
+
+
+def rehearsal_is_flat(split_times: dict[int, float], model_times: dict[int, float]) -> bool:
+    """
+    :param split_times: rehearsed seconds per step for each number of envs in the main process
+    :param model_times: the same as the cost model predicts them with every process on a core of its own
+    :return: whether the rehearsed splits spread less than :data:`FLAT_FRACTION` of the model's spread (the
+        rehearsal then saw no parallel stepping)
+    """
+    observed = max(split_times.values()) / max(min(split_times.values()), 1e-12) - 1.0
+    predicted = max(model_times.values()) / max(min(model_times.values()), 1e-12) - 1.0
+    return observed < FLAT_FRACTION * predicted
 
 
 def pick_split(split_times: dict[int, float]) -> int:
