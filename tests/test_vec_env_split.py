@@ -19,13 +19,9 @@ def test_pick_split_prefers_workers_within_noise() -> None:
     assert pick_split({4: 0.2}) == 4
 
 
-def model_times(n_envs: int, step_cost: float) -> dict[int, float]:
-    plans = startup._plans(n_envs, 1, step_cost, 0.0, list(range(n_envs + 1)))
-    return {k: max(main_s, worker_s or 0.0) for k, (main_s, worker_s) in plans.items()}
-
-
 def test_a_rehearsal_without_parallel_stepping_is_flat() -> None:
-    model = model_times(4, 2.1e-3)  # predicts ~2x between the balanced split and the others
+    # The cost model predicts ~2x between the balanced split and the others.
+    model = startup.model_step_times(startup._plans(4, 1, 2.1e-3, 0.0, list(range(5))))
     assert rehearsal_is_flat(BUSY, model)
     assert not rehearsal_is_flat(IDLE, model)
     assert pick_split(BUSY) == 0  # what the busy moment alone would choose: every env in the worker

@@ -131,6 +131,11 @@ def _plans(n_envs: int, n_workers: int, step_cost: float, info_cost: float, cand
     return plans
 
 
+def model_step_times(plans: dict[int, tuple[float, float | None]]) -> dict[int, float]:
+    """:return: seconds per step of each of :func:`_plans`' splits, with every process on a core of its own"""
+    return {k: max(main_s, worker_s or 0.0) for k, (main_s, worker_s) in plans.items()}
+
+
 def parallel_may_pay(n_envs: int, n_workers: int, step_cost: float, info_cost: float) -> bool:
     """
     :return: whether some split could beat stepping every env in the main process, even with the fastest
@@ -159,7 +164,7 @@ def choose_n_local(pool: Any, n_envs: int, step_cost: float, info_cost: float, k
     plans = {
         k: (int(main_s * rate), None if worker_s is None else int(worker_s * rate)) for k, (main_s, worker_s) in model.items()
     }
-    model_times = {k: max(main_s, worker_s or 0.0) for k, (main_s, worker_s) in model.items()}
+    model_times = model_step_times(model)
     rounds = int(np.clip(REHEARSAL_BUDGET_S / max(sum(model_times.values()), 1e-9), 5, 40))
     steps = [plans[k] for _ in range(rounds) for k in candidates]
     split_times: dict[int, float] = {}
