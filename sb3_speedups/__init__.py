@@ -2,6 +2,12 @@
 
 from typing import Any
 
+from sb3_speedups.common.openmp import short_spin_while_torch_loads
+
+# First, before anything loads torch: its OpenMP threads' short idle spin (common/openmp.py).
+with short_spin_while_torch_loads():
+    import torch  # noqa: F401
+
 import sb3_speedups.envs  # noqa: F401  (registers CartPoleNoVel-v1 & co.)
 from sb3_speedups.common.env_util import make_vec_env
 from sb3_speedups.common.vec_env import BatchedSubprocVecEnv

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from sb3_speedups.bench.worker import VARIANTS, BenchRun, split_variant
+from sb3_speedups.common.openmp import stock_environment
 from sb3_speedups.errors import UserError
 
 
@@ -60,6 +61,8 @@ def run_subprocess(run: BenchRun, timeout: float | None = None) -> dict[str, Any
     """
     cmd = [sys.executable, "-m", "sb3_speedups.bench.worker", json.dumps(asdict(run))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    if split_variant(run.variant)[0] != "ours":
+        env = stock_environment(env)  # the worker imports this package, yet stock's threads spin as stock's do
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("BENCH_RESULT "):
