@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 
 #: the user's own settings of libgomp's wait, which are never overridden
@@ -31,23 +31,26 @@ short_spin_applied = False
 
 
 @contextmanager
-def short_spin_while_torch_loads(environ: MutableMapping[str, str] = os.environ) -> Iterator[bool]:
+def short_spin_while_torch_loads(
+    environ: MutableMapping[str, str] = os.environ, modules: Mapping[str, object] = sys.modules
+) -> Iterator[bool]:
     """
     Set ``GOMP_SPINCOUNT`` to :data:`SHORT_SPIN` for the ``import torch`` inside the block, then remove it again, so
     that the processes this one starts inherit the user's environment unchanged.
 
     :param environ: the process environment
+    :param modules: the loaded modules
     :return: (as the block's target) whether the short spin is set for the block
     """
     global short_spin_applied
-    apply = "torch" not in sys.modules and not any(name in environ for name in USER_VARIABLES)
+    apply = "torch" not in modules and not any(name in environ for name in USER_VARIABLES)
     if not apply:
         yield False
         return
     environ["GOMP_SPINCOUNT"] = SHORT_SPIN
     try:
         yield True
-        short_spin_applied = "torch" in sys.modules
+        short_spin_applied = "torch" in modules
     finally:
         environ.pop("GOMP_SPINCOUNT", None)
 
