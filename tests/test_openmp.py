@@ -10,10 +10,20 @@ from sb3_speedups.bench import core
 from sb3_speedups.bench.worker import BenchRun
 from sb3_speedups.common import openmp
 
-REPORT = (
-    "import os, sys; import sb3_speedups; from sb3_speedups.common import openmp; "
-    "print(openmp.short_spin_applied, os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))"
-)
+# What libgomp reads as torch loads (GOMP_SPINCOUNT when ``torch`` is first imported), then the environment after.
+REPORT = """
+import builtins, os, sys
+seen = []
+real_import = builtins.__import__
+def spy(name, *args, **kwargs):
+    if name == "torch" and "torch" not in sys.modules and not seen:
+        seen.append(os.environ.get("GOMP_SPINCOUNT"))
+    return real_import(name, *args, **kwargs)
+builtins.__import__ = spy
+{first}
+import sb3_speedups
+print(seen[0], os.environ.get("GOMP_SPINCOUNT"), os.environ.get("OMP_WAIT_POLICY"))
+"""
 
 
 def _clean_environ(**extra: str) -> dict[str, str]:
@@ -26,16 +36,12 @@ def _report(code: str, env: dict[str, str]) -> list[str]:
     return out.stdout.split()
 
 
-def test_set_while_torch_loads_and_removed_after(monkeypatch):
-    monkeypatch.setattr(openmp, "short_spin_applied", False)
+def test_set_while_torch_loads_and_removed_after():
     environ: dict[str, str] = {}
-    modules: dict[str, object] = {}
-    with openmp.short_spin_while_torch_loads(environ, modules) as applied:
+    with openmp.short_spin_while_torch_loads(environ, {}) as applied:
         assert applied
         assert environ == {"GOMP_SPINCOUNT": openmp.SHORT_SPIN}
-        modules["torch"] = object()  # what ``import torch`` does in the block
     assert environ == {}  # children inherit the user's environment
-    assert openmp.short_spin_applied
 
 
 @pytest.mark.parametrize("user", [{"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "123"}])
@@ -55,13 +61,14 @@ def test_torch_already_loaded_is_left_alone():
 
 
 def test_import_applies_it_in_a_fresh_process():
-    assert _report(REPORT, _clean_environ()) == ["True", "None", "None"]
+    assert _report(REPORT.format(first=""), _clean_environ()) == [openmp.SHORT_SPIN, "None", "None"]
 
 
 def test_import_after_torch_or_with_the_users_setting_does_not():
-    assert _report("import torch; " + REPORT, _clean_environ()) == ["False", "None", "None"]
-    assert _report(REPORT, _clean_environ(OMP_WAIT_POLICY="PASSIVE")) == ["False", "None", "PASSIVE"]
-    assert _report(REPORT, _clean_environ(GOMP_SPINCOUNT="50")) == ["False", "50", "None"]
+    assert _report(REPORT.format(first="import torch"), _clean_environ()) == ["None", "None", "None"]
+    passive = _clean_environ(OMP_WAIT_POLICY="PASSIVE")
+    assert _report(REPORT.format(first=""), passive) == ["None", "None", "PASSIVE"]
+    assert _report(REPORT.format(first=""), _clean_environ(GOMP_SPINCOUNT="50")) == ["50", "50", "None"]
 
 
 @pytest.mark.parametrize(

@@ -26,9 +26,6 @@ SHORT_SPIN = "2000"
 #: libgomp's default without ``OMP_WAIT_POLICY`` (what stock SB3 runs with), written out for stock's benchmark runs
 LIBGOMP_DEFAULT_SPIN = "300000"
 
-#: whether this process's torch was loaded with the short spin
-short_spin_applied = False
-
 
 @contextmanager
 def short_spin_while_torch_loads(
@@ -42,7 +39,6 @@ def short_spin_while_torch_loads(
     :param modules: the loaded modules
     :return: (as the block's target) whether the short spin is set for the block
     """
-    global short_spin_applied
     apply = "torch" not in modules and not any(name in environ for name in USER_VARIABLES)
     if not apply:
         yield False
@@ -50,7 +46,6 @@ def short_spin_while_torch_loads(
     environ["GOMP_SPINCOUNT"] = SHORT_SPIN
     try:
         yield True
-        short_spin_applied = "torch" in modules
     finally:
         environ.pop("GOMP_SPINCOUNT", None)
 
