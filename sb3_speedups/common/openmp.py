@@ -27,6 +27,11 @@ SHORT_SPIN = "2000"
 LIBGOMP_DEFAULT_SPIN = "300000"
 
 
+def _user_set(environ: Mapping[str, str]) -> bool:
+    """:return: whether ``environ`` holds the user's own setting of libgomp's wait"""
+    return any(name in environ for name in USER_VARIABLES)
+
+
 @contextmanager
 def short_spin_while_torch_loads(
     environ: MutableMapping[str, str] = os.environ, modules: Mapping[str, object] = sys.modules
@@ -39,8 +44,7 @@ def short_spin_while_torch_loads(
     :param modules: the loaded modules
     :return: (as the block's target) whether the short spin is set for the block
     """
-    apply = "torch" not in modules and not any(name in environ for name in USER_VARIABLES)
-    if not apply:
+    if "torch" in modules or _user_set(environ):
         yield False
         return
     environ["GOMP_SPINCOUNT"] = SHORT_SPIN
@@ -50,13 +54,13 @@ def short_spin_while_torch_loads(
         environ.pop("GOMP_SPINCOUNT", None)
 
 
-def stock_environment(environ: MutableMapping[str, str]) -> dict[str, str]:
+def stock_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """
     :param environ: an environment for a process that imports this package and then runs stock SB3
     :return: that environment with libgomp's default spin written out (unless the user set their own), so that the
         package's import leaves stock's threads as stock runs them
     """
     env = dict(environ)
-    if not any(name in env for name in USER_VARIABLES):
+    if not _user_set(env):
         env["GOMP_SPINCOUNT"] = LIBGOMP_DEFAULT_SPIN
     return env
