@@ -93,6 +93,67 @@ def test_flat_adam_matches_torch_adam_and_saves_as_stock(max_norm):
     assert again.is_bound() and float(again.steps[0]) == 5
 
 
+@pytest.mark.parametrize("max_norm", [None, 0.5, 1e3])
+def test_taken_gradients_step_as_the_flat_buffer_and_as_stock(max_norm):
+    # take_grads: autograd stores fresh gradients and Adam steps over them, instead of the zeroed flat buffer
+    th.manual_seed(0)
+    policies = [make_policy(BOX) for _ in range(3)]
+    for other in policies[1:]:
+        other.load_state_dict(policies[0].state_dict())
+    flat_policy, taken_policy, stock_policy = policies
+    flat_step = FlatOptimizerStep(flat_policy, flat_policy.optimizer)
+    taken_step = FlatOptimizerStep(taken_policy, taken_policy.optimizer, take_grads=True)
+    assert taken_step.take_grads and not flat_step.take_grads
+    x, actions = th.randn(32, 5), th.randn(32, 2)
+
+    def loss_of(policy):
+        values, log_prob, _ = policy.evaluate_actions(x, actions)
+        return values.pow(2).mean() - log_prob.mean()
+
+    for _ in range(5):
+        for step, policy in ((flat_step, flat_policy), (taken_step, taken_policy)):
+            step.backward(loss_of(policy))
+            step.step(max_norm)
+        stock_policy.optimizer.zero_grad()
+        loss_of(stock_policy).backward()
+        if max_norm is not None:
+            th.nn.utils.clip_grad_norm_(stock_policy.parameters(), max_norm)
+        stock_policy.optimizer.step()
+    for p, q, r in zip(taken_policy.parameters(), flat_policy.parameters(), stock_policy.parameters(), strict=True):
+        # float32 rounding apart: the fused kernel runs each tensor's short tail through its scalar code, and a
+        # clipping norm is summed in another order (stock's per-tensor norm of norms here)
+        th.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+        th.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)  # torch's Adam is another kernel
+    # after a step the parameters hold their gradients, as after stock's; none are views of the flat buffer
+    assert all(
+        p.grad is not None and p.grad.data_ptr() != taken_step.flat.grad_of(p).data_ptr() for p in taken_policy.parameters()
+    )
+    assert taken_step.is_bound(taken_policy.optimizer)
+    # zero_grad (set_to_none) between steps changes nothing
+    taken_policy.optimizer.zero_grad()
+    taken_step.backward(loss_of(taken_policy))
+    taken_step.step(max_norm)
+    assert float(taken_step.adam.steps[0]) == 6
+
+
+def test_taken_gradients_step_a_parameter_the_loss_does_not_reach_as_the_flat_buffer():
+    th.manual_seed(0)
+    modules = [th.nn.Sequential(th.nn.Linear(3, 4), th.nn.Linear(4, 2)) for _ in range(2)]
+    modules[1].load_state_dict(modules[0].state_dict())
+    steps = [
+        FlatOptimizerStep(m, th.optim.Adam(m.parameters(), lr=0.1), take_grads=take)
+        for m, take in zip(modules, (False, True), strict=True)
+    ]
+    x = th.randn(8, 3)
+    for _ in range(3):
+        for module, step in zip(modules, steps, strict=True):
+            step.backward(module[0](x).pow(2).sum())  # the second layer gets no gradient: a zero one, on both paths
+            step.step(None)
+    for p, q in zip(*(m.parameters() for m in modules), strict=True):
+        th.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert modules[1][1].weight.grad is None and th.equal(modules[1][1].weight, modules[0][1].weight)
+
+
 @pytest.mark.parametrize("eps, flushed", [(1e-8, True), (1e-12, False)])
 def test_flat_adam_flushes_subnormal_moments_without_changing_parameters(eps, flushed):
     # Entries whose gradient stops (dead units) decay into subnormal numbers, which the CPU handles slowly.

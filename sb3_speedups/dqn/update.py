@@ -31,7 +31,7 @@ from sb3_speedups.common.nn.mlp import Mlp, parse_output_mlp
 from sb3_speedups.common.nn.training import MlpChain
 from sb3_speedups.common.nn.flat import FlatParameters
 from sb3_speedups.common.nn.optim import FlatAdam, FlatOptimizerStep, adam_unsupported_reason
-from sb3_speedups.common.torch_utils import to_channels_last, trains_channels_last
+from sb3_speedups.common.torch_utils import has_convolutions, to_channels_last, trains_channels_last
 
 
 def q_mlp(q_net: BasePolicy, head: QHead | None = None) -> Mlp | str:
@@ -257,8 +257,9 @@ class HandDerivedQUpdate:
 class AutogradQUpdate:
     """
     The stock DQN update step with autograd, for any Q-network (CNN, dueling, ``Dict`` observations): the stock loss,
-    its gradient into one flat buffer and one fused Adam step where the optimizer is a plain Adam over the Q-network
-    (:class:`~sb3_speedups.common.nn.optim.FlatOptimizerStep`), else the optimizer's own calls.
+    its gradient into one flat buffer (a CNN's: as autograd stores it) and one fused Adam step where the optimizer is a
+    plain Adam over the Q-network (:class:`~sb3_speedups.common.nn.optim.FlatOptimizerStep`), else the optimizer's own
+    calls.
 
     :param policy: the DQN policy (its ``q_net`` and ``optimizer``)
     :param head: what the network outputs and its loss (default: DQN's Q-values and Huber TD loss)
@@ -267,7 +268,9 @@ class AutogradQUpdate:
     def __init__(self, policy: BasePolicy, head: QHead | None = None) -> None:
         self.policy, self.head = policy, head or Q_VALUES
         self.net = self.head.network(policy)
-        self.optimizer_step = FlatOptimizerStep(self.net, policy.optimizer)
+        # A CNN's first fully connected layer has millions of weights: zeroing a flat buffer and adding its gradient
+        # into it are two passes more than taking the gradient autograd makes.
+        self.optimizer_step = FlatOptimizerStep(self.net, policy.optimizer, take_grads=has_convolutions(self.net))
         self._channels_last = trains_channels_last(self.net, policy.device)
 
     def is_bound(self, optimizer: bool = True) -> bool:

@@ -119,16 +119,18 @@ class FlatParameters:
         for p in self.params:
             p.grad = self.grad_of(p)
 
-    def clip_divisor(self, max_norm: float) -> th.Tensor | None:
+    def clip_divisor(self, max_norm: float, norm: th.Tensor | None = None) -> th.Tensor | None:
         """
         :param max_norm: the largest allowed total 2-norm
+        :param norm: the gradient's total 2-norm where it is not in the gradient buffer (default: that buffer's)
         :return: what to divide the gradient by to clip it as ``torch.nn.utils.clip_grad_norm_`` does: a 0-dim
             tensor, at least 1. On a GPU it is computed there (no host sync). On the CPU the norm is read on the host,
             where the rest is cheaper than four 0-dim kernels, and ``None`` comes back when the gradient needs no
             clipping.
         """
-        norm = th.linalg.vector_norm(self.grad)
-        if self.grad.device.type != "cpu":
+        if norm is None:
+            norm = th.linalg.vector_norm(self.grad)
+        if norm.device.type != "cpu":
             return norm.add_(1e-6).div_(max_norm).clamp_(min=1.0)
         divisor = (float(norm) + 1e-6) / max_norm
         if divisor <= 1.0:

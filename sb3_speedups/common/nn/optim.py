@@ -131,6 +131,13 @@ class FlatAdam:
                     self.steps[i] = float(old["step"])
                 optimizer.state[p] = {"step": self.steps[i], "exp_avg": m, "exp_avg_sq": v}
         self._bound = [optimizer.state[p]["exp_avg"] for p in flat.params]
+        # per parameter, for a step with gradients outside the flat buffer: data views, moment views, step counters
+        self._per_param = (
+            [flat.data_of(p) for p in flat.params],
+            self._bound,
+            [optimizer.state[p]["exp_avg_sq"] for p in flat.params],
+            [self.steps[i] for i in range(len(flat.params))],
+        )
         self._first_step = self.steps[0]  # the fused kernel reads one counter (all are equal); a view made once
         self._one = KeptScalar(self.steps.device)(1.0)
         self._steps_since_flush = 0
@@ -149,17 +156,21 @@ class FlatAdam:
         beta1, beta2 = group["betas"]
         return float(group["lr"]), float(beta1), float(beta2), float(group["eps"])
 
-    def step(self, grad_divisor: th.Tensor | None = None, lr: th.Tensor | None = None) -> None:
+    def step(
+        self, grad_divisor: th.Tensor | None = None, lr: th.Tensor | None = None, grads: Sequence[th.Tensor] | None = None
+    ) -> None:
         """
         One Adam step of every parameter with the flat gradient, reading ``lr``/``betas``/``eps`` from the optimizer.
         (The flat buffers are plain tensors, so no ``no_grad`` context is needed.)
 
         :param grad_divisor: divide the gradient by this first, inside the fused kernel (gradient clipping)
         :param lr: a 0-dim tensor on the parameters' device to read the learning rate from instead (CUDA graphs)
+        :param grads: one contiguous gradient per parameter, in ``flat.params`` order, to step with instead of the
+            flat gradient buffer (the same element-wise kernel, run per parameter)
         """
         self.steps.add_(self._one)
         host_lr, beta1, beta2, eps = self.hyperparameters()
-        self._fused_step(None, grad_divisor, host_lr if lr is None else lr, beta1, beta2, eps)
+        self._fused_step(None, grad_divisor, host_lr if lr is None else lr, beta1, beta2, eps, grads)
 
     def step_range(
         self, part: slice, grad_divisor: th.Tensor | None, lr: float, beta1: float, beta2: float, eps: float, step: float
@@ -180,20 +191,33 @@ class FlatAdam:
         self._fused_step(part, grad_divisor, lr, beta1, beta2, eps)
 
     def _fused_step(
-        self, part: slice | None, grad_divisor: th.Tensor | None, lr: float | th.Tensor, beta1: float, beta2: float, eps: float
+        self,
+        part: slice | None,
+        grad_divisor: th.Tensor | None,
+        lr: float | th.Tensor,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        grads: Sequence[th.Tensor] | None = None,
     ) -> None:
-        key = None if part is None else (part.start, part.stop)
-        tensors = self._ranges.get(key)
-        if tensors is None:  # views made once per range
-            whole = [self.flat.data, self.flat.grad, self.exp_avg, self.exp_avg_sq]
-            tensors = self._ranges[key] = whole if part is None else [t[part] for t in whole]
+        if grads is None:
+            key = None if part is None else (part.start, part.stop)
+            tensors = self._ranges.get(key)
+            if tensors is None:  # views made once per range
+                whole = [self.flat.data, self.flat.grad, self.exp_avg, self.exp_avg_sq]
+                tensors = self._ranges[key] = whole if part is None else [t[part] for t in whole]
+            params, grad_list, exp_avgs, exp_avg_sqs = [tensors[0]], [tensors[1]], [tensors[2]], [tensors[3]]
+            steps = [self._first_step]
+        else:
+            params, exp_avgs, exp_avg_sqs, steps = self._per_param
+            grad_list = list(grads)
         th._fused_adam_(
-            [tensors[0]],
-            [tensors[1]],
-            [tensors[2]],
-            [tensors[3]],
+            params,
+            grad_list,
+            exp_avgs,
+            exp_avg_sqs,
             [],
-            [self._first_step],
+            steps,
             amsgrad=False,
             lr=lr,
             beta1=beta1,
@@ -290,25 +314,42 @@ class FlatOptimizerStep:
     """
     ``zero_grad`` / ``backward`` / ``clip_grad_norm_`` / ``optimizer.step`` for an autograd loss, with one flat
     gradient buffer and one fused Adam step when the optimizer is a plain ``torch.optim.Adam`` (otherwise the stock
-    calls). Autograd accumulates straight into the flat gradient buffer (``param.grad`` are views of it).
+    calls). Autograd accumulates straight into the flat gradient buffer (``param.grad`` are views of it), or with
+    ``take_grads`` stores fresh gradient tensors that Adam steps with.
 
     :param module: the module whose parameters the optimizer holds
     :param optimizer: its optimizer (its ``param_groups`` stay the source of the learning rate)
     :param rmsprop: also run a plain ``torch.optim.RMSprop`` flat (:class:`FlatRMSprop`); off, it takes the stock
         calls, whose numbers differ from the flat step's in the last bits
     :param flat: ``False`` always takes the stock calls (where another flat buffer holds some of the parameters)
+    :param take_grads: with a flat Adam, let autograd store each gradient as it computes it (``param.grad`` set to
+        ``None`` before ``backward``, as ``zero_grad`` does) and step Adam over those tensors, instead of zeroing the
+        flat gradient buffer and adding every gradient into it: two passes fewer over the gradient, which pays for
+        networks with large layers (a CNN's first fully connected layer). The clipping norm is then stock's per-tensor
+        norm of norms.
     """
 
-    def __init__(self, module: nn.Module, optimizer: th.optim.Optimizer, rmsprop: bool = False, *, flat: bool = True) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: th.optim.Optimizer,
+        rmsprop: bool = False,
+        *,
+        flat: bool = True,
+        take_grads: bool = False,
+    ) -> None:
         self.module, self.optimizer = module, optimizer
         params = list(module.parameters())
         self.flat: FlatParameters | None = None
         self.flat_optimizer: FlatAdam | FlatRMSprop | None = None
+        self.take_grads = False
         unsupported = flat_optimizer_unsupported_reason if rmsprop else adam_unsupported_reason
         if flat and unsupported(optimizer, params) is None:
             self.flat = FlatParameters(params)
             self.flat_optimizer = make_flat_optimizer(self.flat, optimizer)
-            self._attach()
+            self.take_grads = take_grads and isinstance(self.flat_optimizer, FlatAdam)
+            if not self.take_grads:
+                self._attach()
 
     @property
     def adam(self) -> FlatAdam | None:
@@ -333,6 +374,11 @@ class FlatOptimizerStep:
             self.optimizer.zero_grad()
             loss.backward()
             return
+        if self.take_grads:
+            for p in self.flat.params:
+                p.grad = None
+            loss.backward()
+            return
         self.flat.grad.zero_()
         loss.backward()
         if any(p.grad is not g for p, g in zip(self.flat.params, self._views, strict=True)):
@@ -348,5 +394,15 @@ class FlatOptimizerStep:
             if max_grad_norm is not None:
                 th.nn.utils.clip_grad_norm_(self.module.parameters(), max_grad_norm)
             self.optimizer.step()
+            return
+        if self.take_grads:
+            assert isinstance(self.flat_optimizer, FlatAdam)
+            # a parameter the loss does not reach steps with a zero gradient, as on the flat buffer
+            grads = [th.zeros_like(p) if p.grad is None else p.grad for p in self.flat.params]
+            divisor = None
+            if max_grad_norm is not None:
+                norm = th.linalg.vector_norm(th.stack(th._foreach_norm(grads)))
+                divisor = self.flat.clip_divisor(max_grad_norm, norm)
+            self.flat_optimizer.step(divisor, grads=grads)
             return
         self.flat_optimizer.step(None if max_grad_norm is None else self.flat.clip_divisor(max_grad_norm))
