@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import sb3_contrib
 import stable_baselines3
 import torch as th
 from stable_baselines3.common.buffers import ReplayBuffer
@@ -13,6 +14,8 @@ from gymnasium.spaces import Discrete
 from stable_baselines3.common.vec_env import VecFrameStack, VecNormalize
 
 from sb3_speedups import DQN, QRDQN
+from sb3_speedups.common.torch_utils import is_channels_last, match_convolutions_to
+from sb3_speedups.dqn import q_learning
 from sb3_speedups.dqn.update import AutogradQUpdate, HandDerivedQUpdate, huber_
 from sb3_speedups.common.replay.sampling import draw_indices, gather, newest_indices, sample_minibatches
 from sb3_speedups.dqn.policies import DuelingMlpPolicy, DuelingQNetwork
@@ -185,6 +188,45 @@ def test_cnn_actions_are_the_q_networks_greedy_choice_without_predict(cls, monke
         np.random.seed(5)
         np.random.rand(3)
         assert after == np.random.rand() and all(d.shape == (2,) for d in draws)
+
+
+@pytest.mark.parametrize("cls", [DQN, QRDQN])
+def test_cnn_weights_take_the_channels_last_order_of_transposed_frames_and_learn_the_same(cls, monkeypatch, tmp_path):
+    """SB3's VecTransposeImage hands the CNN channels-last views: the online convolution weights take that order (oneDNN
+    runs the same kernels, minus converting the weight at each call), so training computes the same numbers."""
+    kwargs = {**SMALL, "learning_starts": 20, "target_update_interval": 40}
+
+    def learnt(match: bool) -> DQN:
+        if not match:
+            monkeypatch.setattr(q_learning, "match_convolutions_to", lambda *args: False)
+        model = cls("CnnPolicy", VecFrameStack(image_env(Discrete(3))(), 4), seed=0, **kwargs)
+        model.learn(120)
+        monkeypatch.undo()
+        return model
+
+    ordered, plain = learnt(True), learnt(False)
+
+    def convs(model: DQN, target: bool = False) -> list[th.Tensor]:
+        head = model._q_head()
+        net = head.target_network(model.policy) if target else head.network(model.policy)
+        return [m.weight for m in net.modules() if isinstance(m, th.nn.Conv2d)]
+
+    assert convs(ordered) and all(is_channels_last(w) for w in convs(ordered))
+    assert not any(is_channels_last(w) for w in convs(ordered, target=True) + convs(plain))
+    assert ordered._speedups.updater.optimizer_step.flat.is_bound()
+    for (name, a), b in zip(ordered.policy.state_dict().items(), plain.policy.state_dict().values(), strict=True):
+        assert th.equal(a, b), name  # the same kernels on the same values (targets updated twice, by value)
+    for a, b in zip(ordered.policy.optimizer.state.values(), plain.policy.optimizer.state.values(), strict=True):
+        assert th.equal(a["exp_avg"], b["exp_avg"]) and th.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+    # channel-first frames (ALE's vector env) keep the weights as they are: acting then runs stock's kernels
+    frames, net = np.zeros((2, 4, 36, 36), dtype=np.uint8), plain._q_head().network(plain.policy)
+    assert not match_convolutions_to(net, frames, th.device("cpu"))
+    assert match_convolutions_to(net, frames.transpose(0, 2, 3, 1).copy().transpose(0, 3, 1, 2), th.device("cpu"))
+    # a save loads into the stock class with the same values
+    ordered.save(tmp_path / "model.zip")
+    stock = (stable_baselines3.DQN if cls is DQN else sb3_contrib.QRDQN).load(tmp_path / "model.zip")
+    for a, b in zip(stock.policy.state_dict().values(), ordered.policy.state_dict().values(), strict=True):
+        assert th.equal(a, b)
 
 
 def test_dict_observations_train_with_the_autograd_update_and_the_flat_adam():

@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import torch as th
 from torch import nn
 
@@ -63,6 +64,29 @@ def _channels_last(tensor: th.Tensor) -> th.Tensor:
 def is_channels_last(tensor: th.Tensor) -> bool:
     """:return: whether ``tensor`` is 4-D and laid out channels-last (and not also plain contiguous, as one channel is)"""
     return tensor.dim() == 4 and tensor.is_contiguous(memory_format=th.channels_last) and not tensor.is_contiguous()
+
+
+def match_convolutions_to(module: nn.Module, observations: object, device: th.device) -> bool:
+    """
+    Lay out the 2-D convolution weights of ``module`` channels-last where acting hands it channels-last observations
+    (SB3's ``VecTransposeImage`` returns transposed views of channel-last frames) and training converts its inputs to
+    that order (:func:`trains_channels_last`). oneDNN runs a convolution with a channels-last input or weight in that
+    order, converting the other operand at every call: this layout runs the same kernels on the same values, minus
+    those conversions. Call it before flat buffers take the weights (they keep each parameter's strides).
+
+    :param module: the trained network
+    :param observations: the batch acting will see next (an array or tensor; anything else leaves the weights as they are)
+    :param device: where the network runs
+    :return: whether the weights are channels-last now
+    """
+    if not trains_channels_last(module, device) or not isinstance(observations, np.ndarray | th.Tensor):
+        return False
+    if not is_channels_last(th.as_tensor(observations)):
+        return False
+    for m in module.modules():
+        if isinstance(m, nn.Conv2d):
+            m.weight.data = m.weight.data.contiguous(memory_format=th.channels_last)
+    return True
 
 
 def select_rows(source: th.Tensor, index: th.Tensor, out: th.Tensor | None = None) -> th.Tensor:

@@ -38,7 +38,7 @@ from sb3_speedups.common.fast_model import FastModel
 from sb3_speedups.common.nn.blocked import BlockedMlpForward, forward_in_blocks
 from sb3_speedups.common.off_policy.collection import FastOffPolicyCollection
 from sb3_speedups.common.replay.sampling import batchable, chunk_sizes, newest_indices, rows_of, sample_minibatches
-from sb3_speedups.common.torch_utils import num_threads_during, update_num_threads
+from sb3_speedups.common.torch_utils import match_convolutions_to, num_threads_during, update_num_threads
 from sb3_speedups.dqn.replay.buffers import PrioritizedReplayBuffer, PrioritizedReplayBufferSamples
 from sb3_speedups.dqn.update import Q_VALUES, AutogradQUpdate, HandDerivedQUpdate, QHead, q_mlp, q_mlp_unsupported_reason
 
@@ -98,6 +98,8 @@ class FastQLearning(FastModel, FastOffPolicyCollection):
         reason = self.fast_path_unsupported_reason()
         head = self._q_head()
         net, target_net = head.network(self.policy), head.target_network(self.policy)
+        if reason:  # a CNN acting on SB3's transposed frames: its weights in their order (the target's stay)
+            match_convolutions_to(net, self._last_obs, self.device)
         updater: HandDerivedQUpdate | AutogradQUpdate = (
             AutogradQUpdate(self.policy, head) if reason else HandDerivedQUpdate(self.policy, head)
         )

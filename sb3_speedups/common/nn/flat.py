@@ -73,8 +73,7 @@ class FlatParameters:
         self._expected: tuple[int, list[int]] | None = None  # is_bound's data buffer address and parameter addresses
         with th.no_grad():
             for p in layout:
-                offset = starts[id(p)]
-                view = self.data[offset : offset + p.numel()].view_as(p)
+                view = self.view_of(self.data, p)
                 view.copy_(p.data)
                 p.data = view
 
@@ -84,13 +83,22 @@ class FlatParameters:
 
     def data_of(self, param: th.Tensor) -> th.Tensor:
         """:return: the view of ``param`` in the data buffer (the parameter's own storage)"""
-        start = self.offset(param)
-        return self.data[start : start + param.numel()].view_as(param)
+        return self.view_of(self.data, param)
 
     def grad_of(self, param: th.Tensor) -> th.Tensor:
         """:return: the view of ``param``'s gradient in the gradient buffer"""
+        return self.view_of(self.grad, param)
+
+    def view_of(self, buffer: th.Tensor, param: th.Tensor) -> th.Tensor:
+        """
+        :param buffer: a flat buffer laid out as the data buffer (data, gradient, an optimizer's moments)
+        :param param: one of the parameters
+        :return: ``param``'s part of ``buffer``, shaped and strided as ``param`` (a channels-last convolution weight
+            stays channels-last, so element-wise steps over the buffers pair the same entries)
+        """
         start = self.offset(param)
-        return self.grad[start : start + param.numel()].view_as(param)
+        part = buffer[start : start + param.numel()]
+        return part.view_as(param) if param.is_contiguous() else part.as_strided(param.shape, param.stride())
 
     def stacked(self, params: Sequence[th.Tensor], grad: bool = False) -> th.Tensor:
         """

@@ -122,9 +122,8 @@ class FlatAdam:
         with th.no_grad():
             for i, p in enumerate(flat.params):
                 old = optimizer.state.get(p, {})
-                start = flat.offset(p)
-                m = self.exp_avg[start : start + p.numel()].view_as(p)
-                v = self.exp_avg_sq[start : start + p.numel()].view_as(p)
+                m = flat.view_of(self.exp_avg, p)
+                v = flat.view_of(self.exp_avg_sq, p)
                 if "exp_avg" in old:
                     m.copy_(old["exp_avg"])
                     v.copy_(old["exp_avg_sq"])
@@ -271,7 +270,7 @@ class FlatRMSprop:
         with th.no_grad():
             for i, p in enumerate(flat.params):
                 old = optimizer.state.get(p, {})
-                view = self.square_avg[flat.offset(p) : flat.offset(p) + p.numel()].view_as(p)
+                view = flat.view_of(self.square_avg, p)
                 if "square_avg" in old:
                     view.copy_(old["square_avg"])
                     self.steps[i] = float(old["step"])
