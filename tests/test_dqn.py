@@ -193,7 +193,8 @@ def test_cnn_actions_are_the_q_networks_greedy_choice_without_predict(cls, monke
 @pytest.mark.parametrize("cls", [DQN, QRDQN])
 def test_cnn_weights_take_the_channels_last_order_of_transposed_frames_and_learn_the_same(cls, monkeypatch, tmp_path):
     """SB3's VecTransposeImage hands the CNN channels-last views: the online convolution weights take that order (oneDNN
-    runs the same kernels, minus converting the weight at each call), so training computes the same numbers."""
+    runs the same kernels, minus converting the weight at each call), so training computes the same numbers up to
+    float32 rounding."""
     kwargs = {**SMALL, "learning_starts": 20, "target_update_interval": 40}
 
     def learnt(match: bool) -> DQN:
@@ -215,9 +216,13 @@ def test_cnn_weights_take_the_channels_last_order_of_transposed_frames_and_learn
     assert not any(is_channels_last(w) for w in convs(ordered, target=True) + convs(plain))
     assert ordered._speedups.updater.optimizer_step.flat.is_bound()
     for (name, a), b in zip(ordered.policy.state_dict().items(), plain.policy.state_dict().values(), strict=True):
-        assert th.equal(a, b), name  # the same kernels on the same values (targets updated twice, by value)
+        # the same kernels on the same values (targets updated twice, by value), and yet within float32 rounding
+        # only: MKL's products round by their operands' memory alignment, which differs between two runs'
+        # allocations (the suite run gave 1 ulp on a first-layer weight)
+        th.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=name)
     for a, b in zip(ordered.policy.optimizer.state.values(), plain.policy.optimizer.state.values(), strict=True):
-        assert th.equal(a["exp_avg"], b["exp_avg"]) and th.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            th.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-9)  # near-zero entries: cancellation
     # channel-first frames (ALE's vector env) keep the weights as they are: acting then runs stock's kernels
     frames, net = np.zeros((2, 4, 36, 36), dtype=np.uint8), plain._q_head().network(plain.policy)
     assert not match_convolutions_to(net, frames, th.device("cpu"))

@@ -72,7 +72,8 @@ def match_convolutions_to(module: nn.Module, observations: object, device: th.de
     (SB3's ``VecTransposeImage`` returns transposed views of channel-last frames) and training converts its inputs to
     that order (:func:`trains_channels_last`). oneDNN runs a convolution with a channels-last input or weight in that
     order, converting the other operand at every call: this layout runs the same kernels on the same values, minus
-    those conversions. Call it before flat buffers take the weights (they keep each parameter's strides).
+    those conversions (the same numbers up to float32 rounding: MKL's products round by their operands' memory
+    alignment). Call it before flat buffers take the weights (they keep each parameter's strides).
 
     :param module: the trained network
     :param observations: the batch acting will see next (an array or tensor; anything else leaves the weights as they are)

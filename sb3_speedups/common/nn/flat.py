@@ -108,8 +108,8 @@ class FlatParameters:
         """
         shape, start = params[0].shape, self.offset(params[0])
         for i, p in enumerate(params):
-            if p.shape != shape or self.offset(p) != start + i * p.numel():
-                raise ValueError("stacked parameters must be equally shaped and laid out side by side")
+            if p.shape != shape or self.offset(p) != start + i * p.numel() or not p.is_contiguous():
+                raise ValueError("stacked parameters must be equally shaped, contiguous and laid out side by side")
         buffer = self.grad if grad else self.data
         return buffer[start : start + len(params) * params[0].numel()].view(len(params), *shape)
 

@@ -164,8 +164,9 @@ class FlatAdam:
 
         :param grad_divisor: divide the gradient by this first, inside the fused kernel (gradient clipping)
         :param lr: a 0-dim tensor on the parameters' device to read the learning rate from instead (CUDA graphs)
-        :param grads: one contiguous gradient per parameter, in ``flat.params`` order, to step with instead of the
-            flat gradient buffer (the same element-wise kernel, run per parameter)
+        :param grads: one gradient per parameter, in ``flat.params`` order and laid out as its parameter (as autograd
+            stores them), to step with instead of the flat gradient buffer (the same element-wise kernel, run per
+            parameter: it pairs entries by their place in memory)
         """
         self.steps.add_(self._one)
         host_lr, beta1, beta2, eps = self.hyperparameters()
