@@ -7,12 +7,12 @@ import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.policies import ActorCriticPolicy
 
+from sb3_speedups.common.nn.autograd_step import FlatOptimizerStep
 from sb3_speedups.common.nn.flat import FlatParameters
 from sb3_speedups.common.torch_utils import KeptScalar
 from sb3_speedups.common.nn.optim import (
     FLUSH_SUBNORMALS_EVERY,
     FlatAdam,
-    FlatOptimizerStep,
     FlatRMSprop,
     adam_unsupported_reason,
     flat_optimizer_unsupported_reason,

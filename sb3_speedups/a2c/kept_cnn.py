@@ -25,7 +25,7 @@ from torch.nn import functional as F
 from sb3_speedups.a2c.update import A2CLossConfig, a2c_loss
 from sb3_speedups.common.acting.actors import ModuleActorCritic, standard_head
 from sb3_speedups.common.nn.heads import ActionHead
-from sb3_speedups.common.nn.optim import FlatOptimizerStep
+from sb3_speedups.common.nn.autograd_step import FlatOptimizerStep
 
 # Kept activations of one rollout at most (float32 bytes): NatureCNN keeps ~84 KB per observation, so the RL Zoo's
 # Atari A2C rollout (16 envs x 5 steps) needs ~7 MB; longer rollouts train as before.

@@ -21,7 +21,8 @@ from stable_baselines3.common.policies import ActorCriticPolicy
 from stable_baselines3.common.type_aliases import DictRolloutBufferSamples, RolloutBufferSamples
 
 from sb3_speedups.common.nn.heads import ActionHead
-from sb3_speedups.common.nn.optim import FlatOptimizerStep, make_flat_optimizer
+from sb3_speedups.common.nn.autograd_step import FlatOptimizerStep
+from sb3_speedups.common.nn.optim import make_flat_optimizer
 from sb3_speedups.common.nn.actor_critic_mlp import ActorCriticMlp
 from sb3_speedups.common.torch_utils import KeptScalar, to_channels_last, trains_channels_last
 
@@ -186,7 +187,7 @@ class AutogradA2CUpdate:
     """
     A2C update through autograd for any ``ActorCriticPolicy``, as stock computes it, with one flat gradient buffer,
     one norm and one flat RMSprop/Adam step where the optimizer is a plain one
-    (:class:`~sb3_speedups.common.nn.optim.FlatOptimizerStep`).
+    (:class:`~sb3_speedups.common.nn.autograd_step.FlatOptimizerStep`).
 
     :param policy: the policy
     """

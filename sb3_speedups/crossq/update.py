@@ -13,7 +13,7 @@ forward, no ``set_bn_training_mode`` walks; no host sync (the losses are kept as
 Other MLPs (layers or activations the hand path does not take) run stock's losses through autograd with the
 training-mode ``BatchRenorm1d`` layers as one autograd node each with a hand-derived backward
 (:class:`~sb3_speedups.crossq.batch_renorm.BatchRenormTraining`) and the flat fused Adam
-(:class:`~sb3_speedups.common.nn.optim.FlatOptimizerStep`). Everything else (non-``Box`` observations, gSDE, custom
+(:class:`~sb3_speedups.common.nn.autograd_step.FlatOptimizerStep`). Everything else (non-``Box`` observations, gSDE, custom
 networks) runs stock's ``train()`` (:class:`StockCrossQUpdate`).
 """
 
@@ -30,7 +30,7 @@ from stable_baselines3.common.torch_layers import FlattenExtractor
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from torch import nn
 
-from sb3_speedups.common.nn.optim import FlatOptimizerStep
+from sb3_speedups.common.nn.autograd_step import FlatOptimizerStep
 from sb3_speedups.common.off_policy.critics import parameters_only_in, without_weight_gradients
 from sb3_speedups.crossq.batch_renorm import RenormCounts, run_sequential
 from sb3_speedups.crossq.critics import (

@@ -30,7 +30,8 @@ from sb3_speedups.common.nn.inputs import flat_extractor_unsupported_reason, fla
 from sb3_speedups.common.nn.mlp import Mlp, parse_output_mlp
 from sb3_speedups.common.nn.training import MlpChain
 from sb3_speedups.common.nn.flat import FlatParameters
-from sb3_speedups.common.nn.optim import FlatAdam, FlatOptimizerStep, adam_unsupported_reason
+from sb3_speedups.common.nn.autograd_step import FlatOptimizerStep
+from sb3_speedups.common.nn.optim import FlatAdam, adam_unsupported_reason
 from sb3_speedups.common.torch_utils import has_convolutions, to_channels_last, trains_channels_last
 
 
@@ -258,7 +259,7 @@ class AutogradQUpdate:
     """
     The stock DQN update step with autograd, for any Q-network (CNN, dueling, ``Dict`` observations): the stock loss,
     its gradient into one flat buffer (a CNN's: as autograd stores it) and one fused Adam step where the optimizer is a
-    plain Adam over the Q-network (:class:`~sb3_speedups.common.nn.optim.FlatOptimizerStep`), else the optimizer's own
+    plain Adam over the Q-network (:class:`~sb3_speedups.common.nn.autograd_step.FlatOptimizerStep`), else the optimizer's own
     calls.
 
     :param policy: the DQN policy (its ``q_net`` and ``optimizer``)

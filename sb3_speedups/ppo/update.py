@@ -29,7 +29,8 @@ from stable_baselines3.common.policies import ActorCriticPolicy
 
 from sb3_speedups.common.acting.actors import standard_head, policy_latents
 from sb3_speedups.common.nn.heads import ActionHead
-from sb3_speedups.common.nn.optim import FlatAdam, FlatOptimizerStep
+from sb3_speedups.common.nn.autograd_step import FlatOptimizerStep
+from sb3_speedups.common.nn.optim import FlatAdam
 from sb3_speedups.common.nn.actor_critic_mlp import ActorCriticMlp
 from sb3_speedups.common.on_policy.ppo_loss import (
     CLIP_FRACTION,

@@ -30,7 +30,7 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.policies import BasePolicy
 from stable_baselines3.common.vec_env import VecEnv
 
-from sb3_speedups.common.nn.optim import FlatOptimizerStep
+from sb3_speedups.common.nn.autograd_step import FlatOptimizerStep
 from sb3_speedups.common.on_policy.ppo_loss import kl_stops, record_train_stats, start_train
 from sb3_speedups.common.torch_utils import apply_num_threads, keep_freed_blocks
 from sb3_speedups.ppo_recurrent.buffers import FastRecurrentRolloutBuffer

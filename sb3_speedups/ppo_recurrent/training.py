@@ -5,7 +5,7 @@ sb3-contrib takes masked means with boolean indexing (``x[mask].mean()``) and ca
 minibatch. Here the padding mask multiplies instead (the same means: padded entries are excluded, up to float
 rounding), and the loss is PPO's (:func:`~sb3_speedups.common.on_policy.ppo_loss.ppo_loss`) with those masked means, its
 statistics a tensor row per minibatch in PPO's layout. Adam is one fused step over one flat gradient buffer
-(:class:`~sb3_speedups.common.nn.optim.FlatOptimizerStep`) after one norm for the clipping.
+(:class:`~sb3_speedups.common.nn.autograd_step.FlatOptimizerStep`) after one norm for the clipping.
 """
 
 from __future__ import annotations

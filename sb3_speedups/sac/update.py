@@ -28,7 +28,8 @@ from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
 from sb3_speedups.common.nn.flat import FlatParameters
 from sb3_speedups.common.nn.mlp import Mlp, parse_mlp
-from sb3_speedups.common.nn.optim import FlatAdam, FlatOptimizerStep
+from sb3_speedups.common.nn.autograd_step import FlatOptimizerStep
+from sb3_speedups.common.nn.optim import FlatAdam
 from sb3_speedups.common.off_policy.actor_net import ActorNet
 from sb3_speedups.common.off_policy.critics import (
     actor_and_critic_training_reason,
@@ -254,7 +255,7 @@ class AutogradSACUpdate:
     """
     SAC's gradient step with autograd, for any policy (gSDE, CNN and ``Dict`` observations, custom networks and
     optimizers): stock's losses, with the flat fused Adam where the optimizer is a plain Adam over its network
-    (:class:`~sb3_speedups.common.nn.optim.FlatOptimizerStep`; not for the critics when they share the actor's
+    (:class:`~sb3_speedups.common.nn.autograd_step.FlatOptimizerStep`; not for the critics when they share the actor's
     features extractor, which stock's critic optimizer leaves out), no critic weight gradients for the actor loss (a
     shared features extractor still gets the actor's), stock's target update in foreach calls
     (:class:`~sb3_speedups.common.off_policy.critics.SoftUpdate`: running statistics copied), and no host sync.

@@ -16,7 +16,7 @@ from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from stable_baselines3.td3.policies import Actor, TD3Policy
 
 from sb3_speedups.common.nn.mlp import TANH, Mlp, parse_mlp
-from sb3_speedups.common.nn.optim import FlatOptimizerStep
+from sb3_speedups.common.nn.autograd_step import FlatOptimizerStep
 from sb3_speedups.common.off_policy.actor_net import ActorNet
 from sb3_speedups.common.off_policy.batches import OffPolicyBatches
 from sb3_speedups.common.off_policy.critics import (
@@ -141,7 +141,7 @@ class AutogradTD3Update:
     """
     TD3's gradient step with autograd, for any policy (CNN and ``Dict`` observations, custom networks and
     optimizers): stock's losses, with the flat fused Adam where the optimizer is a plain Adam over its network
-    (:class:`~sb3_speedups.common.nn.optim.FlatOptimizerStep`; not for the critics when they share the actor's
+    (:class:`~sb3_speedups.common.nn.autograd_step.FlatOptimizerStep`; not for the critics when they share the actor's
     features extractor: stock's critic optimizer holds it but never steps it, its gradient being ``None`` there), no
     critic weight gradients for the actor loss (a shared features extractor still gets the actor's), stock's target
     updates in foreach calls (:class:`~sb3_speedups.common.off_policy.critics.SoftUpdate`: running statistics
